@@ -1,0 +1,137 @@
+"""Every private torch symbol and C++ argument layout ca_dynsaved relies on.
+
+Compiled autograd (CA) has no public extension API, so the plugin reads and
+patches internals. They all live here so that a torch upgrade breaks one file, and
+so the import-time version check can refuse a release nobody has tested.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+#: Releases (major.minor) the test suite has passed on.
+TESTED_TORCH_RELEASES: tuple[str, ...] = ("2.13",)
+
+
+class UnsupportedTorchError(ImportError):
+    """torch is a release whose compiled-autograd internals were never verified."""
+
+
+def _release(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def check_torch_version(version: str | None = None) -> None:
+    """Raise UnsupportedTorchError unless ``version`` is a tested release."""
+    version = torch.__version__ if version is None else version
+    if _release(version) not in TESTED_TORCH_RELEASES:
+        raise UnsupportedTorchError(
+            f"ca_dynsaved supports torch {', '.join(TESTED_TORCH_RELEASES)}, "
+            f"found torch {version}: its compiled-autograd internals are private "
+            "and change between releases, so the plugin refuses to patch them."
+        )
+
+
+check_torch_version()
+
+# Imported only after the version check: on an untested release these may not exist.
+import torch._dynamo.compiled_autograd as ca  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+
+_missing = [
+    name
+    for name in ("AutogradCompilerInstance", "_enable", "ops", "_graph_placeholders")
+    if not hasattr(ca, name)
+]
+if _missing:  # pragma: no cover - depends on the installed torch
+    raise UnsupportedTorchError(
+        f"torch {torch.__version__}: torch._dynamo.compiled_autograd lacks {_missing}"
+    )
+
+#: The stock capture class; the plugin subclasses it.
+StockCompilerInstance = ca.AutogradCompilerInstance
+#: The stock ``_enable`` context manager, captured before the plugin wraps it.
+stock_enable: Callable[..., Any] = ca._enable
+
+_cpp = torch._C._dynamo.compiled_autograd
+
+
+def clear_ca_cache() -> None:
+    """Drop every cached CA graph (the C++ shadow graph), as ``ca.reset`` does."""
+    _cpp.clear_cache()
+
+
+def ca_cache_is_empty() -> bool:
+    return bool(_cpp.is_cache_empty())
+
+
+def swap_instance_class(cls: Callable[..., Any]) -> Callable[..., Any]:
+    """Set the class ``ca._enable`` instantiates; returns the previous one."""
+    prior = ca.AutogradCompilerInstance
+    ca.AutogradCompilerInstance = cls
+    return prior
+
+
+def swap_enable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Set ``ca._enable`` (looked up by attribute by Dynamo's config path)."""
+    prior = ca._enable
+    ca._enable = fn
+    return prior
+
+
+def validate_outputs_fn() -> Callable[..., Any]:
+    """The C++ ``validate_outputs`` functional, bound by the first CA capture."""
+    return ca.ops.get("validate_outputs").fn
+
+
+# --- C++ argument layouts ---------------------------------------------------
+# CppNode<T>::apply_with_saved packs its call as
+#   (keys, *values, saved_variables, materialize_grads, has_freed_buffers,
+#    needs_input_grad, output_info, is_variable_input, name)
+# with one value per key, in the same order (torch/csrc/autograd/custom_function.h).
+CPP_NODE_TRAILING_ARGS = 7
+
+
+def split_cpp_node_args(args: Sequence[Any]) -> tuple[list[str], list[Any], list[Any]]:
+    """Split a CppNode call into (saved_data keys, their values, the other args)."""
+    keys = list(args[0])
+    values = list(args[1 : 1 + len(keys)])
+    rest = list(args[1 + len(keys) :])
+    if len(rest) != CPP_NODE_TRAILING_ARGS or not all(isinstance(k, str) for k in keys):
+        raise NotImplementedError(
+            f"unexpected CppNode argument layout ({len(keys)} keys, {len(rest)} trailing)"
+        )
+    return keys, values, rest
+
+
+def cpp_node_name(args: Sequence[Any]) -> str:
+    """The node's name (``torch::autograd::CppNode<T>``), the call's last argument."""
+    return str(args[-1])
+
+
+# Input metadata of the next edges, as given to validate_outputs:
+#   ((requires_grad, memory_format, device, dtype_code, layout, pinned),
+#    sizes, is_subclass, grad_dtype)            or None for an invalid edge.
+def metadata_sizes(meta: Any) -> list[Any]:
+    return list(meta[1])
+
+
+def metadata_device(meta: Any) -> torch.device:
+    return meta[0][2]
+
+
+def is_custom_function_op_name(name: str) -> bool:
+    """CA names C++ custom-function ops ``CppNode<mangled>N`` (OpNamespace.add)."""
+    return name.startswith("CppNode")
+
+
+__all__ = [
+    "TESTED_TORCH_RELEASES",
+    "UnsupportedTorchError",
+    "StockCompilerInstance",
+    "ca",
+    "counters",
+    "check_torch_version",
+]

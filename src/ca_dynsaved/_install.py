@@ -1,0 +1,155 @@
+"""Patch and unpatch: the config flag, the ``_enable`` hook, the CA cache owner.
+
+Compiled autograd is switched on by ``torch._dynamo.compiled_autograd._enable``:
+called directly, by ``ca_dynsaved.enable``, or by Dynamo when a frame compiled with
+``torch._dynamo.config.compiled_autograd = True`` runs. ``_enable`` instantiates the
+module global ``AutogradCompilerInstance`` at entry, so the plugin swaps that global
+for the duration of ``_enable.__enter__`` only and nothing stays patched inside.
+
+Two things must outlive a context, and are installed once on import:
+
+* the config flag ``torch._dynamo.config.compiled_autograd_dynamic_saved_data``;
+* a wrapper around ``_enable`` (a pass-through while the flag is off and no plugin
+  context is open) that picks the plugin for Dynamo's config path, and keeps the C++
+  CA cache owned by one mode: stock and plugin captures share that cache, so a
+  switch of mode clears it, or a stock entry would run inside the plugin (or the
+  reverse) and the switch would change nothing.
+
+``uninstall()`` removes both; ``install()`` / ``uninstall()`` are idempotent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils._config_module import _Config, _ConfigEntry
+
+from . import _compat
+from .compiler import DynSavedCompilerInstance
+
+#: Name of the config flag registered on ``torch._dynamo.config``.
+CONFIG_FLAG = "compiled_autograd_dynamic_saved_data"
+
+STOCK, PLUGIN = "stock", "plugin"
+
+
+_lock = threading.RLock()
+_modes: list[str] = []  # one per open CA context; CA's compiler is process-global
+_cache_mode: list[str | None] = [None]  # the mode that filled the C++ CA cache
+
+
+def _flag_on() -> bool:
+    return bool(getattr(torch._dynamo.config, CONFIG_FLAG, False))
+
+
+def _own_cache(mode: str) -> None:
+    """Clear the CA cache if it holds graphs captured in the other mode."""
+    if _cache_mode[0] not in (None, mode) and not _compat.ca_cache_is_empty():
+        _compat.clear_ca_cache()
+        _compat.counters["ca_dynsaved"]["cache_clears"] += 1
+    _cache_mode[0] = mode
+
+
+@contextlib.contextmanager
+def _instance_class(cls: Callable[..., Any]) -> Iterator[None]:
+    prior = _compat.swap_instance_class(cls)
+    try:
+        yield
+    finally:
+        _compat.swap_instance_class(prior)
+
+
+@contextlib.contextmanager
+def ca_context(
+    compiler_fn: Callable[..., Any],
+    dynamic: bool = True,
+    ignore_active_disable_ctx: bool = True,
+    *,
+    mode: str | None = None,
+    exclude: frozenset[str] = frozenset(),
+) -> Iterator[None]:
+    """``_enable`` with the plugin's capture class when ``mode`` is PLUGIN.
+
+    ``mode=None`` (Dynamo's config path, direct ``_enable`` calls) means: the plugin
+    if the config flag is on or a plugin context encloses this one, else stock.
+    """
+    if not ignore_active_disable_ctx and _compat.ca.active_disable_ctx:
+        # _enable is a no-op here: CA stays off, no mode changes hands.
+        with _compat.stock_enable(compiler_fn, dynamic, ignore_active_disable_ctx):
+            yield
+        return
+    if mode is None:
+        mode = PLUGIN if _flag_on() or (_modes and _modes[-1] == PLUGIN) else STOCK
+    with _lock:
+        _own_cache(mode)
+        _modes.append(mode)
+    try:
+        with contextlib.ExitStack() as stack:
+            cm = _compat.stock_enable(compiler_fn, dynamic, ignore_active_disable_ctx)
+            if mode == PLUGIN:
+                factory = functools.partial(DynSavedCompilerInstance, exclude=exclude)
+                with _instance_class(factory):  # type: ignore[arg-type]
+                    stack.enter_context(cm)
+            else:
+                stack.enter_context(cm)
+            yield
+    finally:
+        with _lock:
+            _modes.pop()
+            if _modes:
+                _own_cache(_modes[-1])
+
+
+@functools.wraps(_compat.stock_enable)
+def _enable_hook(
+    compiler_fn: Callable[..., Any],
+    dynamic: bool = True,
+    ignore_active_disable_ctx: bool = True,
+) -> contextlib.AbstractContextManager[None]:
+    return ca_context(compiler_fn, dynamic, ignore_active_disable_ctx)
+
+
+def _register_flag() -> None:
+    config = torch._dynamo.config
+    if CONFIG_FLAG in config._config:
+        return
+    config._config[CONFIG_FLAG] = _ConfigEntry(_Config(default=False, value_type=bool), CONFIG_FLAG)
+    # Forward graphs do not depend on it: keep Dynamo's config hash unchanged.
+    config._compile_ignored_keys.add(CONFIG_FLAG)
+    _mark_config_dirty(config)
+
+
+def _unregister_flag() -> None:
+    config = torch._dynamo.config
+    if config._config.pop(CONFIG_FLAG, None) is not None:
+        config._compile_ignored_keys.discard(CONFIG_FLAG)
+        _mark_config_dirty(config)
+
+
+def _mark_config_dirty(config: Any) -> None:
+    # ConfigModule caches get_config_copy()/save_config() per context.
+    config._hash_dirty_var.set(True)
+    config._get_dict_dirty_keys_var.set(None)
+
+
+def install() -> None:
+    """Register the config flag and the ``_enable`` hook (done on import)."""
+    with _lock:
+        _register_flag()
+        if _compat.ca._enable is not _enable_hook:
+            _compat.swap_enable(_enable_hook)
+
+
+def uninstall() -> None:
+    """Undo ``install()``: stock ``_enable``, no config flag, no plugin graphs cached."""
+    with _lock:
+        if _modes:
+            raise RuntimeError("ca_dynsaved.uninstall() inside an open compiled-autograd context")
+        if _compat.ca._enable is _enable_hook:
+            _compat.swap_enable(_compat.stock_enable)
+        _unregister_flag()
+        _own_cache(STOCK)

@@ -1,0 +1,63 @@
+"""The runtime wrapper of a plugin CA graph: scalar packing and the first run.
+
+CA passes the lifted ``saved_data`` ints and doubles as a list of Python numbers
+(the ``scalars`` placeholder). Dynamo guards on a Python number it reads, so the
+opaque ops never read them: the wrapper appends two tensors (all lifted ints as
+int64, all lifted doubles as float64) and the ops read those. Dynamo then guards
+only on the tensors' metadata, which is fixed for a CA graph.
+
+Whether a C++ backward leaves a gradient undefined cannot be seen at capture, so
+until every opaque node of the graph has run once, the wrapper runs the captured
+graph eagerly; the compiled graph is then traced knowing which outputs are None.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import opaque
+
+
+def pack(values: Sequence[Any], kinds: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split lifted scalar ``values`` by capture-time kind into int64 and float64 tensors."""
+    ints: list[int] = []
+    floats: list[float] = []
+    for value, kind in zip(values, kinds):
+        # torch.tensor would silently truncate a float into an int64 slot.
+        if type(value) is not (int if kind is opaque.INT else float):
+            raise TypeError(
+                f"ca_dynsaved: lifted saved value {value!r} was a {kind} at capture"
+            )
+        (ints if kind is opaque.INT else floats).append(value)
+    return (
+        torch.tensor(ints, dtype=torch.int64),
+        torch.tensor(floats, dtype=torch.float64),
+    )
+
+
+def make_runtime_wrapper(
+    runtime_wrapper: Callable[..., Any],
+    graph_module: torch.fx.GraphModule,
+    kinds: Sequence[str],
+    keys: Sequence[str],
+) -> Callable[..., Any]:
+    """Wrap CA's runtime wrapper for a graph holding opaque ops with ``keys``."""
+    kinds = tuple(kinds)
+    pending = set(keys)
+
+    @torch._dynamo.disable
+    def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
+        if len(scalars) != len(kinds):
+            raise RuntimeError(
+                f"ca_dynsaved: CA graph captured with {len(kinds)} lifted scalars, "
+                f"called with {len(scalars)}"
+            )
+        packed = [*scalars, *pack(scalars, kinds)]
+        if pending:
+            pending.difference_update([k for k in pending if opaque.is_learned(k)])
+        fn = graph_module if pending else compiled_fn
+        return runtime_wrapper(fn, inputs, sizes, packed, hooks, packed_inputs)
+
+    return wrapper

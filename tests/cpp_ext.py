@@ -1,0 +1,123 @@
+"""Real C++ custom autograd functions for the tests, built once with load_inline.
+
+Each function exists twice: ``is_traceable = true`` (Dynamo fake-runs the backward
+under stock CA) and ``false`` (stock CA graph-breaks around it). The backward
+reads its saved values with plain ``toInt()`` / ``toDouble()``, as user code does.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import ModuleType
+
+from torch.utils.cpp_extension import load_inline
+
+BUILD_DIR = Path(__file__).resolve().parent.parent / ".ext_build"
+
+CPP_SOURCE = r"""
+#include <torch/extension.h>
+using namespace torch::autograd;
+
+// Saves 2 ints and 2 doubles in saved_data; every one changes the gradient.
+template <bool TRACE>
+struct ScaleFn : public Function<ScaleFn<TRACE>> {
+  static constexpr bool is_traceable = TRACE;
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor x, int64_t a, int64_t b,
+                            double s, double t) {
+    ctx->saved_data["a"] = a;
+    ctx->saved_data["b"] = b;
+    ctx->saved_data["s"] = s;
+    ctx->saved_data["t"] = t;
+    ctx->save_for_backward({x});
+    return x * static_cast<double>(a + b) * s + x * x * t;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad_output) {
+    int64_t a = ctx->saved_data["a"].toInt();
+    int64_t b = ctx->saved_data["b"].toInt();
+    double s = ctx->saved_data["s"].toDouble();
+    double t = ctx->saved_data["t"].toDouble();
+    auto x = ctx->get_saved_variables()[0];
+    auto g = grad_output[0] * (static_cast<double>(a + b) * s + 2.0 * t * x)
+             + static_cast<double>(a - b);
+    return {g, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Three tensor inputs, two outputs, saved tensors. b's grad is computed only when
+// needed; c's grad is never computed (an undefined grad by construction).
+template <bool TRACE>
+struct MultiFn : public Function<MultiFn<TRACE>> {
+  static constexpr bool is_traceable = TRACE;
+  static variable_list forward(AutogradContext* ctx, at::Tensor a, at::Tensor b,
+                               at::Tensor c, int64_t k, double s) {
+    ctx->saved_data["k"] = k;
+    ctx->saved_data["s"] = s;
+    ctx->save_for_backward({a, b});
+    return {a * b * static_cast<double>(k), a * s + c};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    auto k = static_cast<double>(ctx->saved_data["k"].toInt());
+    auto s = ctx->saved_data["s"].toDouble();
+    auto saved = ctx->get_saved_variables();
+    auto a = saved[0], b = saved[1];
+    at::Tensor ga = g[0] * b * k + g[1] * s;
+    at::Tensor gb = ctx->needs_input_grad(1) ? at::Tensor(g[0] * a * k) : at::Tensor();
+    return {ga, gb, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Returns no gradient when the saved int is odd: None depends on a saved value.
+template <bool TRACE>
+struct OddNoneFn : public Function<OddNoneFn<TRACE>> {
+  static constexpr bool is_traceable = TRACE;
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor x, int64_t k) {
+    ctx->saved_data["k"] = k;
+    return x * static_cast<double>(k);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    auto k = ctx->saved_data["k"].toInt();
+    if (k % 2 == 1) return {at::Tensor(), at::Tensor()};
+    return {g[0] * static_cast<double>(k), at::Tensor()};
+  }
+};
+
+at::Tensor scale_traceable(at::Tensor x, int64_t a, int64_t b, double s, double t) {
+  return ScaleFn<true>::apply(x, a, b, s, t);
+}
+at::Tensor scale_opaque(at::Tensor x, int64_t a, int64_t b, double s, double t) {
+  return ScaleFn<false>::apply(x, a, b, s, t);
+}
+std::vector<at::Tensor> multi_traceable(at::Tensor a, at::Tensor b, at::Tensor c,
+                                        int64_t k, double s) {
+  return MultiFn<true>::apply(a, b, c, k, s);
+}
+std::vector<at::Tensor> multi_opaque(at::Tensor a, at::Tensor b, at::Tensor c,
+                                     int64_t k, double s) {
+  return MultiFn<false>::apply(a, b, c, k, s);
+}
+at::Tensor odd_none_traceable(at::Tensor x, int64_t k) { return OddNoneFn<true>::apply(x, k); }
+at::Tensor odd_none_opaque(at::Tensor x, int64_t k) { return OddNoneFn<false>::apply(x, k); }
+"""
+
+FUNCTIONS = [
+    "scale_traceable",
+    "scale_opaque",
+    "multi_traceable",
+    "multi_opaque",
+    "odd_none_traceable",
+    "odd_none_opaque",
+]
+
+
+def load(verbose: bool = False) -> ModuleType:
+    """Build (or reuse, when the source is unchanged) and import the extension."""
+    build = BUILD_DIR / "ca_dynsaved_test_ext"
+    os.makedirs(build, exist_ok=True)
+    return load_inline(
+        name="ca_dynsaved_test_ext",
+        cpp_sources=CPP_SOURCE,
+        functions=FUNCTIONS,
+        build_directory=str(build),
+        verbose=verbose,
+    )

@@ -1,0 +1,69 @@
+"""Shared loop runners: run a training step under an entry point, compare with eager."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch._dynamo.utils import counters
+
+import ca_dynsaved
+
+STEPS = 12
+
+
+def scale_args(step: int) -> tuple[int, int, float, float]:
+    """12 distinct values per saved slot, 0 and 1 included for ints and floats."""
+    return step, 1 - step, step / 2, 1.0 - step / 4
+
+
+@dataclass(frozen=True)
+class Counts:
+    captures: int
+    compiles: int
+    graph_breaks: int
+
+
+def counts() -> Counts:
+    return Counts(
+        captures=counters["compiled_autograd"]["captures"],
+        compiles=counters["stats"]["unique_graphs"],
+        graph_breaks=sum(counters["graph_break"].values()),
+    )
+
+
+def stock_enable(backend: str = "aot_eager", fullgraph: bool = False) -> Any:
+    return torch._dynamo.compiled_autograd._enable(
+        lambda gm: torch.compile(gm, backend=backend, fullgraph=fullgraph)
+    )
+
+
+def assert_grads_equal(got: Iterable[Any], want: Iterable[Any]) -> None:
+    for g, w in zip(got, want, strict=True):
+        if w is None:
+            assert g is None
+        else:
+            torch.testing.assert_close(g, w)
+
+
+def run_loop(
+    step_fn: Callable[[int], tuple[Any, ...]],
+    ctx_factory: Callable[[], Any],
+    steps: int = STEPS,
+) -> list[tuple[Any, ...]]:
+    """Run ``step_fn(step)`` under ``ctx_factory()``; check each step against eager."""
+    results = []
+    for step in range(steps):
+        with ctx_factory():
+            got = step_fn(step)
+        with torch._dynamo.compiled_autograd._disable():
+            want = step_fn(step)
+        assert_grads_equal(got, want)
+        results.append(got)
+    return results
+
+
+def eager() -> Any:
+    return contextlib.nullcontext()

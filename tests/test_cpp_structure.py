@@ -1,0 +1,85 @@
+"""Several inputs and outputs, saved tensors, None gradients, and the fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ca_dynsaved
+from ca_dynsaved.opaque import UndefinedGradError
+from helpers import Counts, counts, run_loop, stock_enable
+
+
+def _multi_step(fn):
+    def step(i: int):
+        a = torch.linspace(-1.0, 1.0, 6, requires_grad=True)
+        b = torch.linspace(0.0, 2.0, 6)  # does not require grad
+        c = torch.ones(6, requires_grad=True)  # its C++ grad is always undefined
+        o1, o2 = fn(a * 2, b, c * 3, i, 0.25 * i)
+        (o1.sum() + (o2 * o2).sum()).backward()
+        return a.grad, b.grad, c.grad
+
+    return step
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("variant", ["traceable", "opaque"])
+def test_multi_io_none_grads(ext, backend, variant):
+    results = run_loop(
+        _multi_step(getattr(ext, f"multi_{variant}")),
+        lambda: ca_dynsaved.enable(backend=backend, fullgraph=True),
+    )
+    # run_loop compared with eager; eager's None for b (no grad) and c (undefined).
+    assert all(r[0] is not None and r[1] is None and r[2] is None for r in results)
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+
+
+def test_unused_output_gets_materialized_zero_grad(ext):
+    """An output outside the loss: the backward sees a zeros grad, as in eager."""
+
+    def step(i: int):
+        a = torch.linspace(-1.0, 1.0, 6, requires_grad=True)
+        b = torch.linspace(0.0, 2.0, 6, requires_grad=True)
+        c = torch.ones(6, requires_grad=True)
+        o1, _ = ext.multi_traceable(a, b, c, i, 0.5 * i)
+        o1.sum().backward()
+        return a.grad, b.grad, c.grad
+
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"))
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+
+
+def _odd_none_step(fn):
+    def step(i: int):
+        x = torch.linspace(-1.0, 1.0, 4, requires_grad=True)
+        fn(x * 1, i).sum().backward()
+        return (x.grad,)
+
+    return step
+
+
+@pytest.mark.parametrize("variant", ["traceable", "opaque"])
+def test_value_dependent_none_grad_raises_naming_the_node(ext, variant):
+    """k even: a gradient; k odd: None. One opaque graph cannot express both."""
+    step = _odd_none_step(getattr(ext, f"odd_none_{variant}"))
+    with ca_dynsaved.enable(backend="aot_eager"):
+        (g,) = step(0)
+    torch.testing.assert_close(g, torch.zeros(4))
+    with pytest.raises(UndefinedGradError, match=r"CppNode<OddNoneFn<.*>.*undefined gradient for input 0"):
+        with ca_dynsaved.enable(backend="aot_eager"):
+            step(1)
+    # The plugin is still usable: an even value runs and matches eager.
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=1)
+
+
+@pytest.mark.parametrize("variant", ["traceable", "opaque"])
+def test_excluded_node_keeps_stock_behaviour(ext, variant):
+    """exclude= keeps a node stock: value-dependent None grads then match eager."""
+    step = _odd_none_step(getattr(ext, f"odd_none_{variant}"))
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager", exclude=["OddNoneFn"]), steps=4)
+    (record,) = {n for n in ca_dynsaved.report().nodes}
+    assert (record.opaque, record.reason) == (False, "excluded by enable(exclude=...)")
+    # Stock numbers for 4 values: traced and guarded per value, or split around
+    # the disabled call.
+    expected = {"traceable": Counts(1, 4, 0), "opaque": Counts(1, 4, 2)}[variant]
+    assert counts() == expected

@@ -1,0 +1,227 @@
+"""Context manager, decorator and config flag: same behaviour, stock restored after."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+import torch._dynamo.compiled_autograd as ca
+
+import ca_dynsaved
+from ca_dynsaved import _compat, _install
+from helpers import STEPS, Counts, assert_grads_equal, counts, run_loop, scale_args, stock_enable
+
+PKG_DIR = os.path.dirname(ca_dynsaved.__file__)
+
+
+def _forward(ext, i):
+    x = torch.linspace(-1.0, 1.0, 8, requires_grad=True)
+    return x, ext.scale_traceable(x * 2, *scale_args(i)).sum()
+
+
+def _eager_grad(ext, i):
+    x, loss = _forward(ext, i)
+    loss.backward()
+    return x.grad
+
+
+def _stock_state():
+    return (
+        ca._enable,
+        ca.AutogradCompilerInstance,
+        ca.compiled_autograd_enabled,
+        ca.depth,
+        torch._C._dynamo.compiled_autograd.set_autograd_compiler(None, False),
+    )
+
+
+def test_context_manager(ext):
+    for i in range(STEPS):
+        x, loss = _forward(ext, i)
+        with ca_dynsaved.enable(backend="aot_eager"):
+            loss.backward()
+        assert_grads_equal([x.grad], [_eager_grad(ext, i)])
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+
+
+def test_decorator(ext):
+    @ca_dynsaved.enable(backend="aot_eager")
+    def train_step(i):
+        x, loss = _forward(ext, i)
+        loss.backward()
+        return x.grad
+
+    for i in range(STEPS):
+        assert_grads_equal([train_step(i)], [_eager_grad(ext, i)])
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+
+
+@pytest.mark.parametrize("use_patch", [False, True])
+def test_config_flag_backward_inside_compiled_frame(ext, use_patch):
+    """Backward runs from a torch.compile'd frame (Dynamo's config path)."""
+    flags = {"compiled_autograd": True, ca_dynsaved.CONFIG_FLAG: True}
+    with torch._dynamo.config.patch(**flags) if use_patch else _set_flags(flags):
+        # torch.compile reads config.compiled_autograd when it wraps the function.
+        @torch.compile(backend="aot_eager")
+        def backward_step(loss):
+            loss.backward()
+
+        for i in range(STEPS):
+            x, loss = _forward(ext, i)
+            backward_step(loss)
+            assert_grads_equal([x.grad], [_eager_grad(ext, i)])
+    # The one graph break is Dynamo's own `Tensor.backward()` in the user's frame
+    # (stock has it too); the CA graph compiled once and has no break.
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=1)
+    (reason,) = torch._dynamo.utils.counters["graph_break"]
+    assert "Tensor.backward()" in reason
+    # Pitfall 1: Dynamo must never compile a frame of the plugin's own code.
+    compiled_files = [m.co_filename for m in torch._dynamo.utils.get_compilation_metrics()]
+    assert not [f for f in compiled_files if f and f.startswith(PKG_DIR)]
+
+
+class _set_flags:
+    """Plain attribute assignment, as a user's script does, restored on exit."""
+
+    def __init__(self, flags):
+        self.flags = flags
+
+    def __enter__(self):
+        self.prior = {k: getattr(torch._dynamo.config, k) for k in self.flags}
+        for k, v in self.flags.items():
+            setattr(torch._dynamo.config, k, v)
+
+    def __exit__(self, *exc):
+        for k, v in self.prior.items():
+            setattr(torch._dynamo.config, k, v)
+
+
+def test_config_flag_off_is_stock(ext):
+    with torch._dynamo.config.patch(compiled_autograd=True):
+
+        @torch.compile(backend="aot_eager")
+        def backward_step(loss):
+            loss.backward()
+
+        for i in range(STEPS):
+            x, loss = _forward(ext, i)
+            backward_step(loss)
+            assert_grads_equal([x.grad], [_eager_grad(ext, i)])
+    limit = torch._dynamo.config.recompile_limit
+    assert counts() == Counts(captures=1, compiles=limit, graph_breaks=1)
+
+
+def test_stock_behaviour_returns_after_the_context(ext):
+    def step(i):
+        x, loss = _forward(ext, i)
+        loss.backward()
+        return (x.grad,)
+
+    limit = torch._dynamo.config.recompile_limit
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"))
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+    # Stock again: the plugin's cached CA graph is dropped, stock recompiles per value.
+    run_loop(step, stock_enable)
+    assert counts() == Counts(captures=2, compiles=1 + limit, graph_breaks=0)
+    # And back: the stock graph is dropped, the plugin compiles once more.
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"))
+    assert counts() == Counts(captures=3, compiles=2 + limit, graph_breaks=0)
+
+
+def test_state_restored_exactly_after_exit(ext):
+    before = _stock_state()
+    ctx = ca_dynsaved.enable(backend="aot_eager")
+    with ctx:
+        with ctx:  # re-entry of one object
+            with ca_dynsaved.enable(backend="aot_eager"):  # nesting
+                _, loss = _forward(ext, 0)
+                loss.backward()
+    assert _stock_state() == before
+    with pytest.raises(ZeroDivisionError):
+        with ca_dynsaved.enable(backend="aot_eager"):
+            1 / 0
+    assert _stock_state() == before
+    assert _install._modes == []
+
+
+def test_decorator_reentry(ext):
+    calls = []
+
+    @ca_dynsaved.enable(backend="aot_eager")
+    def train_step(i, depth):
+        if depth:
+            train_step(i, depth - 1)
+        x, loss = _forward(ext, i)
+        loss.backward()
+        calls.append(i)
+        return x.grad
+
+    before = _stock_state()
+    for i in range(3):
+        assert_grads_equal([train_step(i, 2)], [_eager_grad(ext, i)])
+    assert _stock_state() == before
+    assert len(calls) == 9
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+
+
+def test_stock_enable_inside_plugin_context_uses_the_plugin(ext):
+    """A CA context opened inside a plugin context (e.g. by a compiled frame) inherits it."""
+    with ca_dynsaved.enable(backend="aot_eager"):
+        for i in range(4):
+            x, loss = _forward(ext, i)
+            with stock_enable():
+                loss.backward()
+            assert_grads_equal([x.grad], [_eager_grad(ext, i)])
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+
+
+def test_plugin_inside_stock_context_then_stock_again(ext):
+    def bwd(i):
+        x, loss = _forward(ext, i)
+        loss.backward()
+        assert_grads_equal([x.grad], [_eager_grad(ext, i)])
+
+    with stock_enable():
+        bwd(0)
+        with ca_dynsaved.enable(backend="aot_eager"):
+            for i in range(1, 5):
+                bwd(i)
+        bwd(5)  # the stock graph is captured again: the plugin's is not reused
+    assert counts().captures == 3
+    assert [n.opaque for n in ca_dynsaved.report().nodes] == [True]
+
+
+def test_config_entry_is_a_real_config(ext):
+    config = torch._dynamo.config
+    assert getattr(config, ca_dynsaved.CONFIG_FLAG) is False
+    with config.patch(**{ca_dynsaved.CONFIG_FLAG: True}):
+        assert config.get_config_copy()[ca_dynsaved.CONFIG_FLAG] is True
+        saved = config.save_config()
+    assert pickle.loads(saved)[ca_dynsaved.CONFIG_FLAG] is True
+    assert getattr(config, ca_dynsaved.CONFIG_FLAG) is False
+    config.load_config(saved)
+    assert getattr(config, ca_dynsaved.CONFIG_FLAG) is True
+    setattr(config, ca_dynsaved.CONFIG_FLAG, False)
+    assert config.get_config_copy()[ca_dynsaved.CONFIG_FLAG] is False
+    # Compile-ignored: toggling it does not change Dynamo's config hash.
+    h = config.get_hash()
+    with config.patch(**{ca_dynsaved.CONFIG_FLAG: True}):
+        assert config.get_hash() == h
+
+
+def test_install_uninstall_symmetric_and_idempotent(ext):
+    config = torch._dynamo.config
+    ca_dynsaved.uninstall()
+    ca_dynsaved.uninstall()
+    try:
+        assert ca._enable is _compat.stock_enable
+        assert not hasattr(config, ca_dynsaved.CONFIG_FLAG)
+        assert ca_dynsaved.CONFIG_FLAG not in config.get_config_copy()
+    finally:
+        ca_dynsaved.install()
+        ca_dynsaved.install()
+    assert ca._enable is _install._enable_hook
+    assert getattr(config, ca_dynsaved.CONFIG_FLAG) is False
+    assert ca_dynsaved.CONFIG_FLAG in config.get_config_copy()
