@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -83,3 +85,30 @@ def test_excluded_node_keeps_stock_behaviour(ext, variant):
     # the disabled call.
     expected = {"traceable": Counts(1, 4, 0), "opaque": Counts(1, 4, 2)}[variant]
     assert counts() == expected
+
+
+def test_create_graph_double_backward_matches_eager(ext):
+    """create_graph=True: the plugin's graph runs eagerly with the C++ backward
+    recorded by autograd, so second-order gradients match eager; the same cached CA
+    graph without create_graph stays compiled."""
+
+    def grad(i: int, create_graph: bool, ctx):
+        x = torch.linspace(-1.0, 1.0, 8, requires_grad=True)
+        y = ext.scale_traceable(x * 2, i, 2, 0.5 + i, 1.0 - i).sum()
+        with ctx:
+            (g,) = torch.autograd.grad(y, x, create_graph=create_graph)
+        return x, g
+
+    plugin = torch._dynamo.utils.counters["ca_dynsaved"]
+    for i in range(3):
+        x, g = grad(i, True, ca_dynsaved.enable(backend="aot_eager"))
+        (gg,) = torch.autograd.grad(g.sum(), x)  # eager double backward
+        x_e, g_e = grad(i, True, contextlib.nullcontext())
+        (gg_e,) = torch.autograd.grad(g_e.sum(), x_e)
+        torch.testing.assert_close((g, gg), (g_e, gg_e))
+    assert plugin["create_graph_eager_runs"] == 3
+    for i in range(4):
+        _, g = grad(i, False, ca_dynsaved.enable(backend="aot_eager"))
+        torch.testing.assert_close(g, grad(i, False, contextlib.nullcontext())[1])
+    assert plugin["create_graph_eager_runs"] == 3
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)

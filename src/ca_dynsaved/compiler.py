@@ -188,7 +188,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         ints_proxy, floats_proxy = self._packed_scalar_proxies()
         proxy_out = self.fx_tracer.create_proxy(
             "call_function",
-            torch.ops.ca_dynsaved.cpp_function.default,
+            opaque.OP,
             (self.to_proxy(pending.grads), tensors, ints_proxy, floats_proxy, symints, key),
             {},
         )

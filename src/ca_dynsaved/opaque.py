@@ -96,7 +96,7 @@ def is_learned(key: str) -> bool:
 
 
 @torch._dynamo.disable
-def _run(
+def run(
     grads: Sequence[torch.Tensor | None],
     tensors: Sequence[torch.Tensor | None],
     ints: torch.Tensor,
@@ -152,7 +152,11 @@ def _undefined_message(spec, expected, got, ints, floats) -> str:  # type: ignor
 
 @torch.library.custom_op(OP_QUALNAME, mutates_args=(), schema=_SCHEMA)
 def cpp_function(grads, tensors, ints, floats, symints, key):  # type: ignore[no-untyped-def]
-    return _run(grads, tensors, ints, floats, symints, key)
+    return run(grads, tensors, ints, floats, symints, key)
+
+
+#: The OpOverload that CA graphs call.
+OP = torch.ops.ca_dynsaved.cpp_function.default
 
 
 @cpp_function.register_fake

@@ -9,6 +9,11 @@ only on the tensors' metadata, which is fixed for a CA graph.
 Whether a C++ backward leaves a gradient undefined cannot be seen at capture, so
 until every opaque node of the graph has run once, the wrapper runs the captured
 graph eagerly; the compiled graph is then traced knowing which outputs are None.
+
+A backward with ``create_graph=True`` (grad mode on inside CA) must record the
+C++ backward's own autograd history, which an opaque op without a derivative
+cuts; CA's cache does not tell such calls apart, so the wrapper runs those calls
+through the captured graph eagerly with each opaque op replaced by a direct call.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
+from torch._dynamo.utils import counters
 
 from . import opaque
 
@@ -55,9 +61,30 @@ def make_runtime_wrapper(
                 f"called with {len(scalars)}"
             )
         packed = [*scalars, *pack(scalars, kinds)]
-        if pending:
-            pending.difference_update([k for k in pending if opaque.is_learned(k)])
-        fn = graph_module if pending else compiled_fn
+        if torch.is_grad_enabled():
+            counters["ca_dynsaved"]["create_graph_eager_runs"] += 1
+            fn = _Differentiable(graph_module).run_to_list
+        else:
+            if pending:
+                pending.difference_update([k for k in pending if opaque.is_learned(k)])
+            if pending:
+                counters["ca_dynsaved"]["first_eager_runs"] += 1
+                fn = graph_module
+            else:
+                fn = compiled_fn
         return runtime_wrapper(fn, inputs, sizes, packed, hooks, packed_inputs)
 
     return wrapper
+
+
+class _Differentiable(torch.fx.Interpreter):
+    """Runs a CA graph calling the C++ backwards directly, so autograd records them."""
+
+    def run_to_list(self, *args: Any) -> list[Any]:
+        # C++ wants a plain list; the interpreter returns FX's immutable_list.
+        return list(self.run(*args))
+
+    def call_function(self, target, args, kwargs):  # type: ignore[no-untyped-def,override]
+        if target is opaque.OP:
+            return opaque.run(*args, **kwargs)
+        return super().call_function(target, args, kwargs)

@@ -1,0 +1,22 @@
+"""``python -m ca_dynsaved demo [--backend B] [--steps N]``."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(rest)
+    print(f"unknown command {command!r}; see `python -m ca_dynsaved --help`", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
