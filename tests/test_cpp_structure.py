@@ -112,3 +112,25 @@ def test_create_graph_double_backward_matches_eager(ext):
         torch.testing.assert_close(g, grad(i, False, contextlib.nullcontext())[1])
     assert plugin["create_graph_eager_runs"] == 3
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+
+
+@pytest.mark.parametrize("variant", ["traceable", "opaque"])
+def test_unexpected_layout_falls_back_to_stock(ext, variant, monkeypatch):
+    """A torch whose CppNode call layout differs (simulated): the node is traced as
+    stock CA traces it, gradients stay right, and the report says why."""
+    from ca_dynsaved import _compat
+
+    monkeypatch.setattr(_compat, "CPP_NODE_TRAILING_ARGS", _compat.CPP_NODE_TRAILING_ARGS + 1)
+
+    def step(i: int):
+        x = torch.linspace(-1.0, 1.0, 8, requires_grad=True)
+        getattr(ext, f"scale_{variant}")(x * 2, i, 1, 0.5, 2.0).sum().backward()
+        return (x.grad,)
+
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=3)
+    (record,) = ca_dynsaved.report().nodes
+    assert not record.opaque
+    assert "unexpected CppNode argument layout" in record.reason
+    # Stock numbers: a compile per value (traced) or a graph split around the call.
+    expected = {"traceable": Counts(1, 3, 0), "opaque": Counts(1, 3, 2)}[variant]
+    assert counts() == expected

@@ -94,13 +94,17 @@ def validate_outputs_fn() -> Callable[..., Any]:
 CPP_NODE_TRAILING_ARGS = 7
 
 
+class LayoutError(NotImplementedError):
+    """A C++ call whose arguments are not laid out as this module expects."""
+
+
 def split_cpp_node_args(args: Sequence[Any]) -> tuple[list[str], list[Any], list[Any]]:
     """Split a CppNode call into (saved_data keys, their values, the other args)."""
     keys = list(args[0])
     values = list(args[1 : 1 + len(keys)])
     rest = list(args[1 + len(keys) :])
     if len(rest) != CPP_NODE_TRAILING_ARGS or not all(isinstance(k, str) for k in keys):
-        raise NotImplementedError(
+        raise LayoutError(
             f"unexpected CppNode argument layout ({len(keys)} keys, {len(rest)} trailing)"
         )
     return keys, values, rest

@@ -10,8 +10,9 @@ is enough to change how C++ custom-function nodes enter the CA graph:
   tracing it, and ``validate_outputs`` (which C++ calls right after, with the
   symbolic output sizes) emits one opaque op that runs the backward and validates
   its outputs;
-* ``end_capture`` drops the now unused scalar reads and wraps the runtime wrapper
-  so it packs the lifted scalars into two tensors the opaque ops read.
+* ``end_capture`` wraps the runtime wrapper so it packs the lifted scalars into
+  two tensors the opaque ops read (the graph no longer uses the Python scalars,
+  so Dynamo guards on none of them).
 
 Every override is excluded from Dynamo: capture runs inside ``.backward()``, which
 may run inside a compiled frame (see DESIGN-NOTES pitfall 1).
@@ -19,7 +20,6 @@ may run inside a compiled frame (see DESIGN-NOTES pitfall 1).
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -153,6 +153,10 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         return NodeRecord(pending.name, opaque=False, keys=(), kinds=(), reason=reason)
 
     def _emit_opaque(self, pending: _PendingCall, meta: Any) -> tuple[Any, NodeRecord]:
+        try:
+            keys, values, _ = _compat.split_cpp_node_args(pending.args)
+        except _compat.LayoutError as e:
+            raise _Unsupported(str(e)) from e
         leaves, treedef = pytree.tree_flatten((pending.args, meta))
         specs: list[tuple[str, Any]] = []
         tensors: list[Any] = []
@@ -169,13 +173,12 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
                     specs.append((opaque.SYMINT, len(symints)))
                     symints.append(self.to_proxy(leaf))
                 else:
-                    raise _Unsupported("a symbolic float that is not a lifted saved value")
-            elif leaf is None or isinstance(
-                leaf, (bool, int, float, str, torch.device, torch.dtype, torch.layout, torch.memory_format)
-            ):
-                specs.append((opaque.CONST, leaf))
+                    raise _Unsupported(f"a symbolic {type(leaf).__name__} that is not a lifted saved value")
+            elif isinstance(leaf, torch.SymBool):
+                raise _Unsupported("a symbolic bool")
             else:
-                raise _Unsupported(f"an argument of type {type(leaf).__name__}")
+                # Anything else CA hashed into its cache key: fixed for this graph.
+                specs.append((opaque.CONST, leaf))
         spec = opaque.NodeSpec(
             name=pending.name,
             fn=pending.fn,
@@ -192,7 +195,6 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             (self.to_proxy(pending.grads), tensors, ints_proxy, floats_proxy, symints, key),
             {},
         )
-        keys, values, _ = _compat.split_cpp_node_args(pending.args)
         kinds = tuple(_value_kind(v, self._lifted) for v in values)
         counters = _compat.counters["ca_dynsaved"]
         counters["opaque_nodes"] += 1
@@ -207,19 +209,6 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
                 self.scalars_proxy[self._n_scalars + 1],
             )
         return self._packed_proxies
-
-    @_disable
-    def dce(self) -> None:  # type: ignore[override]
-        super().dce()
-        # Reads of lifted scalars that only fed opaque ops: without them Dynamo
-        # never looks at the Python scalars at all.
-        graph = self.fx_tracer.graph
-        for node in list(graph.find_nodes(op="placeholder")):
-            if node.name != "scalars":
-                continue
-            for user in list(node.users):
-                if user.target is operator.getitem and not user.users:
-                    graph.erase_node(user)
 
     def create_graph_module(self, id: str) -> torch.fx.GraphModule:  # type: ignore[override]
         self._graph_module = super().create_graph_module(id)

@@ -66,18 +66,9 @@ def clear() -> None:
 
 
 def _rebuild(spec: NodeSpec, tensors, ints, floats, symints) -> tuple[Any, Any]:
-    values = []
-    for kind, payload in spec.leaves:
-        if kind is CONST:
-            values.append(payload)
-        elif kind is TENSOR:
-            values.append(tensors[payload])
-        elif kind is INT:
-            values.append(ints[payload])
-        elif kind is FLOAT:
-            values.append(floats[payload])
-        else:
-            values.append(symints[payload])
+    """(call args, output metadata) of ``spec`` with this call's values filled in."""
+    slots = {TENSOR: tensors, INT: ints, FLOAT: floats, SYMINT: symints}
+    values = [payload if kind is CONST else slots[kind][payload] for kind, payload in spec.leaves]
     return pytree.tree_unflatten(values, spec.treedef)
 
 
