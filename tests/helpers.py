@@ -67,3 +67,44 @@ def run_loop(
 
 def eager() -> Any:
     return contextlib.nullcontext()
+
+
+ENTRY_POINTS = ("context", "decorator", "config")
+
+
+@contextlib.contextmanager
+def entry_point(kind: str, backend: str = "aot_eager", **options: Any):
+    """Yield ``backward(loss)``: ``loss.backward()`` under one of the three entry points.
+
+    The config path runs backward from a torch.compile'd frame, where Dynamo
+    records one graph break of its own (``Tensor.backward()``), as stock does.
+    """
+    if kind == "context":
+
+        def backward(loss):
+            with ca_dynsaved.enable(backend=backend, **options):
+                loss.backward()
+
+        yield backward
+    elif kind == "decorator":
+
+        @ca_dynsaved.enable(backend=backend, **options)
+        def backward(loss):
+            loss.backward()
+
+        yield backward
+    else:
+        assert kind == "config" and not options
+        flags = {"compiled_autograd": True, ca_dynsaved.CONFIG_FLAG: True}
+        with torch._dynamo.config.patch(**flags):
+            # torch.compile reads config.compiled_autograd when it wraps the function.
+            @torch.compile(backend=backend)
+            def backward(loss):
+                loss.backward()
+
+            yield backward
+
+
+def frame_breaks(kind: str) -> int:
+    """Graph breaks outside the CA graph that an entry point adds (stock has them too)."""
+    return 1 if kind == "config" else 0

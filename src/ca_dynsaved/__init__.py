@@ -16,7 +16,7 @@ Three entry points, one behaviour::
 from __future__ import annotations
 
 from . import _compat  # noqa: F401  (version check first)
-from ._install import CONFIG_FLAG, install, uninstall
+from ._install import CONFIG_FLAG, CONFIG_PYTHON_POLICY, install, uninstall
 from .enable import enable
 from .report import report, reset_report
 
@@ -36,4 +36,4 @@ __version__ = "0.1.0"
 
 install()
 
-__all__ = ["enable", "report", "reset", "reset_report", "CONFIG_FLAG", "install", "uninstall"]
+__all__ = ["enable", "report", "reset", "reset_report", "CONFIG_FLAG", "CONFIG_PYTHON_POLICY", "install", "uninstall"]

@@ -81,6 +81,13 @@ def swap_enable(fn: Callable[..., Any]) -> Callable[..., Any]:
     return prior
 
 
+def call_backward(ctx: Any, saved_tensors: list[Any], *grads: Any) -> tuple[Any, ...]:
+    """Run a Python custom function's backward exactly as a CA graph does."""
+    from torch._dynamo.external_utils import call_backward
+
+    return call_backward(ctx, saved_tensors, *grads)
+
+
 def validate_outputs_fn() -> Callable[..., Any]:
     """The C++ ``validate_outputs`` functional, bound by the first CA capture."""
     return ca.ops.get("validate_outputs").fn

@@ -28,11 +28,14 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._config_module import _Config, _ConfigEntry
 
-from . import _compat
+from . import _compat, pyctx
 from .compiler import DynSavedCompilerInstance
 
 #: Name of the config flag registered on ``torch._dynamo.config``.
 CONFIG_FLAG = "compiled_autograd_dynamic_saved_data"
+#: Config entry for the Python-function policy (``pyctx``), used by every entry point.
+CONFIG_PYTHON_POLICY = "compiled_autograd_dynamic_saved_data_python_policy"
+_CONFIG_ENTRIES = {CONFIG_FLAG: (False, bool), CONFIG_PYTHON_POLICY: (pyctx.OPAQUE, str)}
 
 STOCK, PLUGIN = "stock", "plugin"
 
@@ -71,11 +74,13 @@ def ca_context(
     *,
     mode: str | None = None,
     exclude: frozenset[str] = frozenset(),
+    python_policy: str | None = None,
 ) -> Iterator[None]:
     """``_enable`` with the plugin's capture class when ``mode`` is PLUGIN.
 
     ``mode=None`` (Dynamo's config path, direct ``_enable`` calls) means: the plugin
     if the config flag is on or a plugin context encloses this one, else stock.
+    ``python_policy=None`` reads the config entry.
     """
     if not ignore_active_disable_ctx and _compat.ca.active_disable_ctx:
         # _enable is a no-op here: CA stays off, no mode changes hands.
@@ -91,7 +96,13 @@ def ca_context(
         with contextlib.ExitStack() as stack:
             cm = _compat.stock_enable(compiler_fn, dynamic, ignore_active_disable_ctx)
             if mode == PLUGIN:
-                factory = functools.partial(DynSavedCompilerInstance, exclude=exclude)
+                if python_policy is None:
+                    python_policy = getattr(torch._dynamo.config, CONFIG_PYTHON_POLICY)
+                factory = functools.partial(
+                    DynSavedCompilerInstance,
+                    exclude=exclude,
+                    python_policy=pyctx.check_policy(python_policy),
+                )
                 with _instance_class(factory):  # type: ignore[arg-type]
                     stack.enter_context(cm)
             else:
@@ -113,21 +124,22 @@ def _enable_hook(
     return ca_context(compiler_fn, dynamic, ignore_active_disable_ctx)
 
 
-def _register_flag() -> None:
+def _register_config() -> None:
     config = torch._dynamo.config
-    if CONFIG_FLAG in config._config:
-        return
-    config._config[CONFIG_FLAG] = _ConfigEntry(_Config(default=False, value_type=bool), CONFIG_FLAG)
-    # Forward graphs do not depend on it: keep Dynamo's config hash unchanged.
-    config._compile_ignored_keys.add(CONFIG_FLAG)
+    for name, (default, value_type) in _CONFIG_ENTRIES.items():
+        if name not in config._config:
+            config._config[name] = _ConfigEntry(_Config(default=default, value_type=value_type), name)
+            # Forward graphs do not depend on it: keep Dynamo's config hash unchanged.
+            config._compile_ignored_keys.add(name)
     _mark_config_dirty(config)
 
 
-def _unregister_flag() -> None:
+def _unregister_config() -> None:
     config = torch._dynamo.config
-    if config._config.pop(CONFIG_FLAG, None) is not None:
-        config._compile_ignored_keys.discard(CONFIG_FLAG)
-        _mark_config_dirty(config)
+    for name in _CONFIG_ENTRIES:
+        if config._config.pop(name, None) is not None:
+            config._compile_ignored_keys.discard(name)
+    _mark_config_dirty(config)
 
 
 def _mark_config_dirty(config: Any) -> None:
@@ -137,19 +149,19 @@ def _mark_config_dirty(config: Any) -> None:
 
 
 def install() -> None:
-    """Register the config flag and the ``_enable`` hook (done on import)."""
+    """Register the config entries and the ``_enable`` hook (done on import)."""
     with _lock:
-        _register_flag()
+        _register_config()
         if _compat.ca._enable is not _enable_hook:
             _compat.swap_enable(_enable_hook)
 
 
 def uninstall() -> None:
-    """Undo ``install()``: stock ``_enable``, no config flag, no plugin graphs cached."""
+    """Undo ``install()``: stock ``_enable``, no config entries, no plugin graphs cached."""
     with _lock:
         if _modes:
             raise RuntimeError("ca_dynsaved.uninstall() inside an open compiled-autograd context")
         if _compat.ca._enable is _enable_hook:
             _compat.swap_enable(_compat.stock_enable)
-        _unregister_flag()
+        _unregister_config()
         _own_cache(STOCK)

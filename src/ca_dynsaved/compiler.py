@@ -1,21 +1,23 @@
 """Capture-time hooks: the AutogradCompilerInstance subclass.
 
-C++ calls ``bind_function``, ``apply_functional``, ``validate_outputs``,
-``begin_capture`` and ``end_capture`` on the instance by name, so overriding them
-is enough to change how C++ custom-function nodes enter the CA graph:
+C++ calls ``begin_capture``, ``bind_function``, ``apply_functional``,
+``proxy_call_backward``, ``validate_outputs`` and ``end_capture`` on the instance
+by name, so overriding them is enough to change how custom functions enter the CA
+graph:
 
 * ``begin_capture`` remembers which symbolic scalars are lifted ``saved_data``
   values (the ``scalars`` placeholder);
-* ``apply_functional`` of a C++ custom function records the call instead of
-  tracing it, and ``validate_outputs`` (which C++ calls right after, with the
-  symbolic output sizes) emits one opaque op that runs the backward and validates
-  its outputs;
-* ``end_capture`` wraps the runtime wrapper so it packs the lifted scalars into
-  two tensors the opaque ops read (the graph no longer uses the Python scalars,
-  so Dynamo guards on none of them).
+* ``apply_functional`` (a C++ custom function) and ``proxy_call_backward`` (a
+  Python one) record the call instead of tracing it; ``validate_outputs``, which
+  C++ calls right after with the symbolic output sizes, emits one opaque op that
+  runs the backward and validates its outputs (``opaque.py``);
+* ``end_capture`` wraps the runtime wrapper (``runtime.py``) so it packs the lifted
+  scalars into two tensors the C++ ops read and binds the hooks the Python ops
+  read; the graph no longer uses the Python scalars, so Dynamo guards none.
 
-Every override is excluded from Dynamo: capture runs inside ``.backward()``, which
-may run inside a compiled frame (see DESIGN-NOTES pitfall 1).
+A node the ops cannot express keeps stock tracing; the report says why. Every
+override is excluded from Dynamo: capture runs inside ``.backward()``, which may
+run inside a compiled frame (DESIGN-NOTES pitfall 1).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
-from . import _compat, opaque, runtime
+from . import _compat, opaque, pyctx, runtime
 from .report import NodeRecord, record_capture
 
 _disable = torch._dynamo.disable
@@ -34,15 +37,18 @@ _disable = torch._dynamo.disable
 
 @dataclass
 class _PendingCall:
-    """A custom-function call seen by apply_functional, waiting for its metadata."""
+    """A custom-function call waiting for validate_outputs' symbolic metadata."""
 
     name: str
-    op_name: str  # the CppNode op bound by bind_function, for the stock fallback
-    fn: Callable[..., Any]
     grads: list[Any]
-    args: tuple[Any, ...]
-    dummies: list[torch.Tensor]
-    out_defined: tuple[bool, ...]
+    dummies: list[torch.Tensor | None]  # what C++ got back as the call's outputs
+    emit_stock: Callable[[], Sequence[Any]]  # trace it as stock CA does instead
+    fn: Callable[..., Any] | None = None  # C++: the functional; Python: None
+    # C++: the packed call arguments; Python: (positions of the tensor inputs,)
+    args: tuple[Any, ...] = ()
+    hook: int = -1  # Python: index of the ctx in CA's hooks
+    saved: tuple[Any, ...] = ()  # Python: saved tensors
+    ctx_attributes: dict[str, str] | None = None  # Python: for the report
 
 
 class _Unsupported(Exception):
@@ -50,34 +56,32 @@ class _Unsupported(Exception):
 
 
 class DynSavedCompilerInstance(_compat.StockCompilerInstance):
-    """A CA capture that makes C++ custom-function nodes opaque to Dynamo.
+    """A CA capture that runs custom-function backwards through opaque ops.
 
-    ``exclude``: substrings of C++ node names (e.g. ``"MyFunction"``) that keep
-    stock behaviour.
+    ``exclude``: substrings of node names (``"MyFunction"``) that keep stock
+    behaviour; ``python_policy``: see ``pyctx``.
     """
 
-    def __init__(self, compiler_fn: Callable[..., Any], exclude: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        compiler_fn: Callable[..., Any],
+        exclude: frozenset[str] = frozenset(),
+        python_policy: str = pyctx.OPAQUE,
+    ) -> None:
         super().__init__(compiler_fn)
         self.exclude = exclude
+        self.python_policy = pyctx.check_policy(python_policy)
 
     @_disable
-    def begin_capture(self, inputs, sizes, scalars_, origins, accumulate_grad, check_nans):  # type: ignore[no-untyped-def,override]
-        out = super().begin_capture(inputs, sizes, scalars_, origins, accumulate_grad, check_nans)
-        symbolic = out[3]
-        # symnode -> (kind, index among scalars of that kind)
+    def begin_capture(self, inputs, sizes, scalars, origins, accumulate_grad, check_nans):  # type: ignore[no-untyped-def,override]
+        out = super().begin_capture(inputs, sizes, scalars, origins, accumulate_grad, check_nans)
+        # symnode of each lifted scalar -> (kind, index among lifted scalars of that kind)
         self._lifted: dict[Any, tuple[str, int]] = {}
         self._scalar_kinds: list[str] = []
-        n_int = n_float = 0
-        for sym in symbolic:
-            if isinstance(sym, torch.SymInt):
-                self._lifted[sym.node] = (opaque.INT, n_int)
-                self._scalar_kinds.append(opaque.INT)
-                n_int += 1
-            else:
-                self._lifted[sym.node] = (opaque.FLOAT, n_float)
-                self._scalar_kinds.append(opaque.FLOAT)
-                n_float += 1
-        self._n_scalars = len(symbolic)
+        for sym in out[3]:
+            kind = opaque.INT if isinstance(sym, torch.SymInt) else opaque.FLOAT
+            self._lifted[sym.node] = (kind, self._scalar_kinds.count(kind))
+            self._scalar_kinds.append(kind)
         self._packed_proxies: tuple[Any, Any] | None = None
         self._custom_fns: dict[str, Callable[..., Any]] = {}
         self._pending: _PendingCall | None = None
@@ -94,69 +98,94 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
 
     @_disable
     def apply_functional(self, fn_name, grads, args, output_metadata):  # type: ignore[no-untyped-def,override]
-        if fn_name not in self._custom_fns:
-            return super().apply_functional(fn_name, grads, args, output_metadata)
-        name = _compat.cpp_node_name(args)
-        if any(pattern in name for pattern in self.exclude):
-            self._records.append(
-                NodeRecord(name, opaque=False, keys=(), kinds=(), reason="excluded by enable(exclude=...)")
+        def stock() -> Sequence[Any]:
+            return super(DynSavedCompilerInstance, self).apply_functional(
+                fn_name, grads, args, output_metadata
             )
-            _compat.counters["ca_dynsaved"]["stock_nodes"] += 1
-            return super().apply_functional(fn_name, grads, args, output_metadata)
-        with torch.fx.experimental.proxy_tensor.disable_proxy_modes_tracing():
+
+        if fn_name not in self._custom_fns:
+            return stock()
+        name = _compat.cpp_node_name(args)
+        if self._excluded(name):
+            return stock()
+        with disable_proxy_modes_tracing():
             dummies = [self.allocate_dummy() for _ in output_metadata]
         self._pending = _PendingCall(
             name=name,
-            op_name=fn_name,
-            fn=self._custom_fns[fn_name],
             grads=list(grads),
-            args=tuple(args),
             dummies=dummies,
-            out_defined=tuple(m is not None for m in output_metadata),
+            emit_stock=stock,
+            fn=self._custom_fns[fn_name],
+            args=tuple(args),
         )
         return dummies
+
+    @_disable
+    def proxy_call_backward(  # type: ignore[override]
+        self, inputs, output_metadatas, saved_tensors, backward_idx, ctx,
+        maybe_backward_state_idx, opaque_object_indices,
+    ):  # type: ignore[no-untyped-def]
+        def stock() -> Sequence[Any]:
+            return super(DynSavedCompilerInstance, self).proxy_call_backward(
+                inputs, output_metadatas, saved_tensors, backward_idx, ctx,
+                maybe_backward_state_idx, opaque_object_indices,
+            )
+
+        if hasattr(ctx._forward_cls, "_aot_id"):
+            return stock()  # torch's own compiled backward, not a user function
+        name = ctx._forward_cls.__name__
+        reason = pyctx.stock_reason(
+            ctx, self.python_policy, maybe_backward_state_idx, opaque_object_indices
+        )
+        if reason is not None:
+            self._record_stock(name, reason, pyctx.attributes(ctx))
+            return stock()
+        if self._excluded(name, pyctx.attributes(ctx)):
+            return stock()
+        # One metadata per forward input, None where the input was not a tensor;
+        # C++ keeps the backward's outputs at the tensor positions only.
+        with disable_proxy_modes_tracing():
+            dummies = [None if m is None else self.allocate_dummy() for m in output_metadatas]
+        self._pending = _PendingCall(
+            name=name,
+            grads=list(inputs),
+            dummies=dummies,
+            emit_stock=stock,
+            args=(tuple(i for i, m in enumerate(output_metadatas) if m is not None),),
+            hook=backward_idx,
+            saved=tuple(saved_tensors),
+            ctx_attributes=pyctx.attributes(ctx),
+        )
+        return tuple(dummies)
 
     @_disable
     def validate_outputs(self, _, outputs, args, output_metadata):  # type: ignore[no-untyped-def,override]
         pending, self._pending = self._pending, None
         if pending is None:
             return super().validate_outputs(_, outputs, args, output_metadata)
-        if len(outputs) != len(pending.dummies) or any(
-            o is not d for o, d in zip(outputs, pending.dummies)
-        ):
+        expected = [d for d in pending.dummies if d is not None]
+        if len(outputs) != len(expected) or any(o is not d for o, d in zip(outputs, expected)):
             raise RuntimeError(
                 f"ca_dynsaved: validate_outputs after {pending.name} got other tensors "
                 "than its outputs; this torch's CA capture order is not supported"
             )
-        (meta,) = args
         try:
-            proxy_out, record = self._emit_opaque(pending, meta)
+            proxy_out = self._emit_opaque(pending, args[0])
         except _Unsupported as e:
-            record = self._emit_stock(pending, args, output_metadata, reason=str(e))
-        else:
-            self.bind_objects_to_proxies(
-                outputs, [proxy_out[i] for i in range(len(outputs))]
-            )
-        self._records.append(record)
+            self._record_stock(pending.name, str(e), pending.ctx_attributes)
+            traced = [t for t in pending.emit_stock() if t is not None]
+            self.bind_objects_to_proxies(outputs, [self.to_proxy(t) for t in traced])
+            return super().validate_outputs(_, outputs, args, output_metadata)
+        self.bind_objects_to_proxies(outputs, [proxy_out[i] for i in range(len(outputs))])
         return outputs
 
-    def _emit_stock(self, pending: _PendingCall, args, output_metadata, reason: str) -> NodeRecord:
-        """Trace the node as stock CA would, for a call the op cannot express."""
-        op = _compat.ca.ops.get(pending.op_name)
-        proxy_args = pytree.tree_map(self.to_proxy, (pending.grads, *pending.args))
-        proxy_out = self.fx_tracer.create_proxy("call_function", op, proxy_args, {})
-        self.bind_objects_to_proxies(
-            pending.dummies, [proxy_out[i] for i in range(len(pending.dummies))]
-        )
-        super().validate_outputs(None, pending.dummies, args, output_metadata)
-        _compat.counters["ca_dynsaved"]["stock_nodes"] += 1
-        return NodeRecord(pending.name, opaque=False, keys=(), kinds=(), reason=reason)
-
-    def _emit_opaque(self, pending: _PendingCall, meta: Any) -> tuple[Any, NodeRecord]:
-        try:
-            keys, values, _ = _compat.split_cpp_node_args(pending.args)
-        except _compat.LayoutError as e:
-            raise _Unsupported(str(e)) from e
+    def _emit_opaque(self, pending: _PendingCall, meta: Any) -> Any:
+        """Put one opaque op for ``pending`` in the graph; return its output proxy."""
+        if pending.fn is not None:
+            try:
+                keys, values, _ = _compat.split_cpp_node_args(pending.args)
+            except _compat.LayoutError as e:
+                raise _Unsupported(str(e)) from e
         leaves, treedef = pytree.tree_flatten((pending.args, meta))
         specs: list[tuple[str, Any]] = []
         tensors: list[Any] = []
@@ -179,36 +208,47 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             else:
                 # Anything else CA hashed into its cache key: fixed for this graph.
                 specs.append((opaque.CONST, leaf))
-        spec = opaque.NodeSpec(
-            name=pending.name,
-            fn=pending.fn,
-            treedef=treedef,
-            leaves=tuple(specs),
-            out_defined=pending.out_defined,
+        out_defined = tuple(m is not None for m in meta)  # None: invalid next edge
+        key = opaque.register(
+            opaque.NodeSpec(pending.name, pending.fn, treedef, tuple(specs), out_defined)
         )
-        key = opaque.register(spec)
         self._keys.append(key)
-        ints_proxy, floats_proxy = self._packed_scalar_proxies()
-        proxy_out = self.fx_tracer.create_proxy(
-            "call_function",
-            opaque.OP,
-            (self.to_proxy(pending.grads), tensors, ints_proxy, floats_proxy, symints, key),
-            {},
-        )
-        kinds = tuple(_value_kind(v, self._lifted) for v in values)
         counters = _compat.counters["ca_dynsaved"]
+        grads = self.to_proxy(pending.grads)
+        if pending.fn is not None:
+            kinds = tuple(_value_kind(v, self._lifted) for v in values)
+            counters["lifted_ints"] += kinds.count(opaque.INT)
+            counters["lifted_floats"] += kinds.count(opaque.FLOAT)
+            record = NodeRecord(pending.name, opaque=True, keys=tuple(keys), kinds=kinds)
+            op_args = (grads, tensors, *self._packed_scalar_proxies(), symints, key)
+            op = opaque.CPP_OP
+        else:
+            attrs = pending.ctx_attributes or {}
+            record = NodeRecord(pending.name, opaque=True, keys=tuple(attrs), kinds=tuple(attrs.values()))
+            op_args = (grads, self.to_proxy(list(pending.saved)), symints, key, pending.hook)
+            op = opaque.PY_OP
         counters["opaque_nodes"] += 1
-        counters["lifted_ints"] += kinds.count("int")
-        counters["lifted_floats"] += kinds.count("float")
-        return proxy_out, NodeRecord(pending.name, opaque=True, keys=tuple(keys), kinds=kinds)
+        self._records.append(record)
+        return self.fx_tracer.create_proxy("call_function", op, op_args, {})
 
     def _packed_scalar_proxies(self) -> tuple[Any, Any]:
         if self._packed_proxies is None:
-            self._packed_proxies = (
-                self.scalars_proxy[self._n_scalars],
-                self.scalars_proxy[self._n_scalars + 1],
-            )
+            n = len(self._scalar_kinds)
+            self._packed_proxies = (self.scalars_proxy[n], self.scalars_proxy[n + 1])
         return self._packed_proxies
+
+    def _excluded(self, name: str, attributes: dict[str, str] | None = None) -> bool:
+        if not any(pattern in name for pattern in self.exclude):
+            return False
+        self._record_stock(name, "excluded by enable(exclude=...)", attributes)
+        return True
+
+    def _record_stock(self, name: str, reason: str, attributes: dict[str, str] | None = None) -> None:
+        attributes = attributes or {}
+        self._records.append(
+            NodeRecord(name, opaque=False, keys=tuple(attributes), kinds=tuple(attributes.values()), reason=reason)
+        )
+        _compat.counters["ca_dynsaved"]["stock_nodes"] += 1
 
     def create_graph_module(self, id: str) -> torch.fx.GraphModule:  # type: ignore[override]
         self._graph_module = super().create_graph_module(id)
@@ -220,9 +260,8 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         record_capture(self._records)
         if not self._keys:
             return runtime_wrapper, compiled_fn
-        wrapper = runtime.make_runtime_wrapper(
-            runtime_wrapper, self._graph_module, self._scalar_kinds, self._keys
-        )
+        kinds = self._scalar_kinds if self._packed_proxies is not None else None
+        wrapper = runtime.make_runtime_wrapper(runtime_wrapper, self._graph_module, kinds, self._keys)
         return wrapper, compiled_fn
 
 

@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from . import pyctx
 from ._install import PLUGIN, ca_context
 
 
@@ -19,8 +20,11 @@ class enable(contextlib.ContextDecorator):
     context manager around ``.backward()`` or as a decorator on a training step;
     the same object may be re-entered and nested.
 
-    ``exclude``: substrings of C++ custom-function names (``"MyFunction"`` matches
-    ``torch::autograd::CppNode<MyFunction>``) whose nodes keep stock behaviour.
+    ``exclude``: substrings of custom-function names (``"MyFunction"`` matches
+    ``torch::autograd::CppNode<MyFunction>`` and a Python ``MyFunction``) whose
+    nodes keep stock behaviour. ``python_policy``: ``"opaque"`` or ``"stock"`` for
+    Python ``autograd.Function`` nodes (see ``ca_dynsaved.pyctx``); None reads
+    ``torch._dynamo.config.compiled_autograd_dynamic_saved_data_python_policy``.
     """
 
     def __init__(
@@ -31,6 +35,7 @@ class enable(contextlib.ContextDecorator):
         fullgraph: bool = False,
         dynamic: bool = True,
         exclude: Iterable[str] = (),
+        python_policy: str | None = None,
     ) -> None:
         if compiler_fn is None:
 
@@ -40,10 +45,17 @@ class enable(contextlib.ContextDecorator):
         self.compiler_fn = compiler_fn
         self.dynamic = dynamic
         self.exclude = frozenset(exclude)
+        self.python_policy = None if python_policy is None else pyctx.check_policy(python_policy)
         self._open: list[contextlib.AbstractContextManager[None]] = []
 
     def __enter__(self) -> "enable":
-        cm = ca_context(self.compiler_fn, self.dynamic, mode=PLUGIN, exclude=self.exclude)
+        cm = ca_context(
+            self.compiler_fn,
+            self.dynamic,
+            mode=PLUGIN,
+            exclude=self.exclude,
+            python_policy=self.python_policy,
+        )
         cm.__enter__()
         self._open.append(cm)
         return self
