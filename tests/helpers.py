@@ -108,3 +108,14 @@ def entry_point(kind: str, backend: str = "aot_eager", **options: Any):
 def frame_breaks(kind: str) -> int:
     """Graph breaks outside the CA graph that an entry point adds (stock has them too)."""
     return 1 if kind == "config" else 0
+
+
+def leaf_grad_step(apply: Callable[[torch.Tensor, int], torch.Tensor], size: int = 8):
+    """``step(i)``: a fresh leaf ``x``, ``apply(x * 2, i).sum().backward()``, ``(x.grad,)``."""
+
+    def step(i: int):
+        x = torch.linspace(-1.0, 1.0, size, requires_grad=True)
+        apply(x * 2, i).sum().backward()
+        return (x.grad,)
+
+    return step

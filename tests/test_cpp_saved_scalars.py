@@ -6,16 +6,11 @@ import pytest
 import torch
 
 import ca_dynsaved
-from helpers import Counts, counts, run_loop, scale_args, stock_enable
+from helpers import Counts, counts, leaf_grad_step, run_loop, scale_args, stock_enable
 
 
 def _scale_step(fn):
-    def step(i: int):
-        x = torch.linspace(-1.0, 1.0, 8, requires_grad=True)
-        fn(x * 2, *scale_args(i)).sum().backward()
-        return (x.grad,)
-
-    return step
+    return leaf_grad_step(lambda x, i: fn(x, *scale_args(i)))
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

@@ -9,7 +9,7 @@ import torch
 
 import ca_dynsaved
 from ca_dynsaved.opaque import UndefinedGradError
-from helpers import Counts, counts, run_loop, stock_enable
+from helpers import Counts, counts, leaf_grad_step, run_loop, stock_enable
 
 
 def _multi_step(fn):
@@ -52,12 +52,7 @@ def test_unused_output_gets_materialized_zero_grad(ext):
 
 
 def _odd_none_step(fn):
-    def step(i: int):
-        x = torch.linspace(-1.0, 1.0, 4, requires_grad=True)
-        fn(x * 1, i).sum().backward()
-        return (x.grad,)
-
-    return step
+    return leaf_grad_step(fn, size=4)
 
 
 @pytest.mark.parametrize("variant", ["traceable", "opaque"])

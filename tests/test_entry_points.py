@@ -221,3 +221,17 @@ def test_install_uninstall_symmetric_and_idempotent(ext):
     assert ca._enable is _install._enable_hook
     assert getattr(config, ca_dynsaved.CONFIG_FLAG) is False
     assert ca_dynsaved.CONFIG_FLAG in config.get_config_copy()
+
+
+def test_changing_plugin_options_recaptures(ext):
+    """The cached CA graph belongs to the options it was captured with."""
+
+    def step(i):
+        x, loss = _forward(ext, i)
+        loss.backward()
+        return (x.grad,)
+
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager", exclude=["ScaleFn"]), steps=2)
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=2)
+    assert [n.opaque for n in ca_dynsaved.report().nodes] == [False, True]
+    assert counts().captures == 2

@@ -17,6 +17,7 @@ from helpers import (
     counts,
     entry_point,
     frame_breaks,
+    leaf_grad_step,
     run_loop,
     stock_enable,
 )
@@ -101,41 +102,30 @@ class ModeFn(torch.autograd.Function):
         return g * (x == x.max()), None
 
 
-class OddNoneFn(torch.autograd.Function):
-    """No gradient when k is odd: None depends on a saved value."""
-
+class _TimesK(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, k):
         ctx.k = k
         return x * k
+
+
+class OddNoneFn(_TimesK):
+    """No gradient when k is odd: None depends on a saved value."""
 
     @staticmethod
     def backward(ctx, g):
         return (None if ctx.k % 2 else g * ctx.k), None
 
 
-class BadGradFn(torch.autograd.Function):
+class BadGradFn(_TimesK):
     """Returns a gradient for its non-tensor input, which eager refuses."""
-
-    @staticmethod
-    def forward(ctx, x, k):
-        ctx.k = k
-        return x * k
 
     @staticmethod
     def backward(ctx, g):
         return g * ctx.k, g
 
 
-def _step(apply):
-    def step(i: int):
-        x = torch.linspace(-1.0, 1.0, 8, requires_grad=True)
-        apply(x * 2, i).sum().backward()
-        return (x.grad,)
-
-    return step
-
-
+_step = leaf_grad_step
 scale_step = _step(lambda x, i: ScaleFn.apply(x, i, i / 2))
 pool_step = _step(lambda x, i: pool(x, 0.25 + i / 2, i + 1))
 

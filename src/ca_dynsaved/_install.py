@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -37,20 +38,38 @@ CONFIG_FLAG = "compiled_autograd_dynamic_saved_data"
 CONFIG_PYTHON_POLICY = "compiled_autograd_dynamic_saved_data_python_policy"
 _CONFIG_ENTRIES = {CONFIG_FLAG: (False, bool), CONFIG_PYTHON_POLICY: (pyctx.OPAQUE, str)}
 
-STOCK, PLUGIN = "stock", "plugin"
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How CA captures: stock, or the plugin with its options."""
+
+    plugin: bool
+    exclude: frozenset[str] = frozenset()
+    python_policy: str = pyctx.OPAQUE
+
+
+STOCK = Mode(plugin=False)
+
+
+def plugin_mode(exclude: frozenset[str] = frozenset(), python_policy: str | None = None) -> Mode:
+    """The plugin with these options; ``python_policy=None`` reads the config entry."""
+    if python_policy is None:
+        python_policy = getattr(torch._dynamo.config, CONFIG_PYTHON_POLICY)
+    return Mode(True, frozenset(exclude), pyctx.check_policy(python_policy))
 
 
 _lock = threading.RLock()
-_modes: list[str] = []  # one per open CA context; CA's compiler is process-global
-_cache_mode: list[str | None] = [None]  # the mode that filled the C++ CA cache
+_modes: list[Mode] = []  # one per open CA context; CA's compiler is process-global
+_cache_mode: list[Mode | None] = [None]  # the mode whose captures fill the C++ CA cache
 
 
 def _flag_on() -> bool:
     return bool(getattr(torch._dynamo.config, CONFIG_FLAG, False))
 
 
-def _own_cache(mode: str) -> None:
-    """Clear the CA cache if it holds graphs captured in the other mode."""
+def _own_cache(mode: Mode) -> None:
+    """Clear the CA cache if it holds graphs captured in another mode."""
     if _cache_mode[0] not in (None, mode) and not _compat.ca_cache_is_empty():
         _compat.clear_ca_cache()
         _compat.counters["ca_dynsaved"]["cache_clears"] += 1
@@ -72,15 +91,13 @@ def ca_context(
     dynamic: bool = True,
     ignore_active_disable_ctx: bool = True,
     *,
-    mode: str | None = None,
-    exclude: frozenset[str] = frozenset(),
-    python_policy: str | None = None,
+    mode: Mode | None = None,
 ) -> Iterator[None]:
-    """``_enable`` with the plugin's capture class when ``mode`` is PLUGIN.
+    """``_enable`` with the plugin's capture class when ``mode.plugin``.
 
-    ``mode=None`` (Dynamo's config path, direct ``_enable`` calls) means: the plugin
-    if the config flag is on or a plugin context encloses this one, else stock.
-    ``python_policy=None`` reads the config entry.
+    ``mode=None`` (Dynamo's config path, direct ``_enable`` calls) means: the mode
+    of an enclosing plugin context, else the plugin if the config flag is on, else
+    stock.
     """
     if not ignore_active_disable_ctx and _compat.ca.active_disable_ctx:
         # _enable is a no-op here: CA stays off, no mode changes hands.
@@ -88,20 +105,21 @@ def ca_context(
             yield
         return
     if mode is None:
-        mode = PLUGIN if _flag_on() or (_modes and _modes[-1] == PLUGIN) else STOCK
+        if _modes and _modes[-1].plugin:
+            mode = _modes[-1]
+        else:
+            mode = plugin_mode() if _flag_on() else STOCK
     with _lock:
         _own_cache(mode)
         _modes.append(mode)
     try:
         with contextlib.ExitStack() as stack:
             cm = _compat.stock_enable(compiler_fn, dynamic, ignore_active_disable_ctx)
-            if mode == PLUGIN:
-                if python_policy is None:
-                    python_policy = getattr(torch._dynamo.config, CONFIG_PYTHON_POLICY)
+            if mode.plugin:
                 factory = functools.partial(
                     DynSavedCompilerInstance,
-                    exclude=exclude,
-                    python_policy=pyctx.check_policy(python_policy),
+                    exclude=mode.exclude,
+                    python_policy=mode.python_policy,
                 )
                 with _instance_class(factory):  # type: ignore[arg-type]
                     stack.enter_context(cm)

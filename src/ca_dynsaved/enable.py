@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import pyctx
-from ._install import PLUGIN, ca_context
+from ._install import ca_context, plugin_mode
 
 
 class enable(contextlib.ContextDecorator):
@@ -49,13 +49,8 @@ class enable(contextlib.ContextDecorator):
         self._open: list[contextlib.AbstractContextManager[None]] = []
 
     def __enter__(self) -> "enable":
-        cm = ca_context(
-            self.compiler_fn,
-            self.dynamic,
-            mode=PLUGIN,
-            exclude=self.exclude,
-            python_policy=self.python_policy,
-        )
+        mode = plugin_mode(self.exclude, self.python_policy)
+        cm = ca_context(self.compiler_fn, self.dynamic, mode=mode)
         cm.__enter__()
         self._open.append(cm)
         return self

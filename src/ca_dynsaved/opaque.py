@@ -112,8 +112,10 @@ def run_cpp(grads, tensors, ints, floats, symints, key):  # type: ignore[no-unty
     int_values, float_values = ints.tolist(), floats.tolist()
     args, out_meta = _rebuild(spec, tensors, int_values, float_values, symints)
     outs = spec.fn(list(grads), *args)  # type: ignore[misc]
-    saved = f"saved ints {int_values}, floats {float_values}"
-    return _finish(key, spec, outs, out_meta, (*grads, *tensors), saved)
+    return _finish(
+        key, spec, outs, out_meta, (*grads, *tensors),
+        lambda: f"saved ints {int_values}, floats {float_values}",
+    )
 
 
 @torch._dynamo.disable
@@ -133,17 +135,18 @@ def run_python(grads, saved, symints, key, hook):  # type: ignore[no-untyped-def
                 f"position {i + 1}, but the corresponding forward input was not a Variable"
             )
     outs = [outs[i] if i < len(outs) else None for i in positions]
-    return _finish(key, spec, outs, out_meta, (*grads, *saved), f"ctx {vars(ctx)}")
+    return _finish(key, spec, outs, out_meta, (*grads, *saved), lambda: f"ctx attributes {vars(ctx)}")
 
 
-def _finish(key, spec, outs, out_meta, inputs, saved_desc):  # type: ignore[no-untyped-def]
+def _finish(key, spec, outs, out_meta, inputs, describe_saved):  # type: ignore[no-untyped-def]
     """Check undefined grads against the graph, validate as the engine does, and
-    return outputs a custom op may return (contiguous, not aliasing an input)."""
+    return outputs a custom op may return (contiguous, not aliasing an input).
+    ``describe_saved()`` names the saved values, for the error message only."""
     outs = list(outs) + [None] * (len(spec.out_defined) - len(outs))
     defined = tuple(v and outs[i] is not None for i, v in enumerate(spec.out_defined))
     expected = _DEFINED.setdefault(key, defined)
     if defined != expected:
-        raise UndefinedGradError(_undefined_message(spec, expected, defined, saved_desc))
+        raise UndefinedGradError(_undefined_message(spec, expected, defined, describe_saved()))
     validated = _compat.validate_outputs_fn()(
         [o if d else None for o, d in zip(outs, defined)], out_meta
     )
