@@ -102,6 +102,24 @@ class ModeFn(torch.autograd.Function):
         return g * (x == x.max()), None
 
 
+class MultiFn(torch.autograd.Function):
+    """Three tensor inputs (b without grad, c whose grad is always None), an int
+    between them, two outputs, saved tensors and needs_input_grad."""
+
+    @staticmethod
+    def forward(ctx, a, k, b, c, s):
+        ctx.k, ctx.s = k, s
+        ctx.save_for_backward(a, b)
+        return a * b * k, a * s + c
+
+    @staticmethod
+    def backward(ctx, g0, g1):
+        a, b = ctx.saved_tensors
+        ga = g0 * b * ctx.k + g1 * ctx.s
+        gb = g0 * a * ctx.k if ctx.needs_input_grad[2] else None
+        return ga, None, gb, None, None
+
+
 class _TimesK(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, k):
@@ -199,6 +217,21 @@ def test_entry_points_give_the_same_counts(kind, fn):
             loss_e.backward()
             assert_grads_equal([x.grad], [x_e.grad])
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=frame_breaks(kind))
+
+
+@pytest.mark.parametrize("use_both_outputs", [True, False])
+def test_multi_io_none_grads(use_both_outputs):
+    def step(i: int):
+        a = torch.linspace(-1.0, 1.0, 6, requires_grad=True)
+        b = torch.linspace(0.0, 2.0, 6)
+        c = torch.ones(6, requires_grad=True)
+        o1, o2 = MultiFn.apply(a * 2, i, b, c * 3, 0.25 * i)
+        (o1.sum() + ((o2 * o2).sum() if use_both_outputs else 0)).backward()
+        return a.grad, b.grad, c.grad
+
+    results = run_loop(step, lambda: ca_dynsaved.enable(backend="inductor", fullgraph=True))
+    assert all(r[0] is not None and r[1] is None and r[2] is None for r in results)
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
 
 
 def test_value_dependent_none_raises_and_exclude_keeps_stock():
