@@ -82,6 +82,71 @@ struct OddNoneFn : public Function<OddNoneFn<TRACE>> {
   }
 };
 
+// Saves a bool, a string, an int vector and a dict of doubles (all hashed into
+// CA's cache key, never lifted); each one changes the backward's math.
+template <bool TRACE>
+struct ConfigFn : public Function<ConfigFn<TRACE>> {
+  static constexpr bool is_traceable = TRACE;
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor x, bool flip, std::string mode,
+                            std::vector<int64_t> dims, double wa, double wb) {
+    ctx->saved_data["flip"] = flip;
+    ctx->saved_data["mode"] = mode;
+    ctx->saved_data["dims"] = dims;
+    c10::Dict<std::string, double> weights;
+    weights.insert("a", wa);
+    weights.insert("b", wb);
+    ctx->saved_data["weights"] = weights;
+    ctx->save_for_backward({x});
+    return x * x;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    bool flip = ctx->saved_data["flip"].toBool();
+    const std::string& mode = ctx->saved_data["mode"].toStringRef();
+    std::vector<int64_t> dims = ctx->saved_data["dims"].toIntVector();
+    auto weights = ctx->saved_data["weights"].toGenericDict();
+    double wa = weights.at("a").toDouble(), wb = weights.at("b").toDouble();
+    auto x = ctx->get_saved_variables()[0];
+    at::Tensor r = mode == "square" ? g[0] * x * 2.0 * wa : g[0] * wb;
+    int64_t total = 0;
+    for (auto d : dims) total += d;
+    r = r * static_cast<double>(total + static_cast<int64_t>(dims.size()));
+    if (flip) r = -r;
+    return {r, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// One output per entry of a saved int vector: its length is graph structure.
+template <bool TRACE>
+struct SplitFn : public Function<SplitFn<TRACE>> {
+  static constexpr bool is_traceable = TRACE;
+  static variable_list forward(AutogradContext* ctx, at::Tensor x, std::vector<int64_t> chunks) {
+    ctx->saved_data["chunks"] = chunks;
+    variable_list outs;
+    for (auto& part : x.split_with_sizes(chunks)) outs.push_back(part * 1.0);
+    return outs;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    auto chunks = ctx->saved_data["chunks"].toIntVector();
+    variable_list parts;
+    for (size_t i = 0; i < g.size(); ++i) parts.push_back(g[i] * static_cast<double>(i + 1));
+    return {at::cat(parts), at::Tensor()};
+  }
+};
+
+at::Tensor config_traceable(at::Tensor x, bool flip, std::string mode, std::vector<int64_t> dims,
+                            double wa, double wb) {
+  return ConfigFn<true>::apply(x, flip, mode, dims, wa, wb);
+}
+at::Tensor config_opaque(at::Tensor x, bool flip, std::string mode, std::vector<int64_t> dims,
+                         double wa, double wb) {
+  return ConfigFn<false>::apply(x, flip, mode, dims, wa, wb);
+}
+std::vector<at::Tensor> split_traceable(at::Tensor x, std::vector<int64_t> chunks) {
+  return SplitFn<true>::apply(x, chunks);
+}
+std::vector<at::Tensor> split_opaque(at::Tensor x, std::vector<int64_t> chunks) {
+  return SplitFn<false>::apply(x, chunks);
+}
 at::Tensor scale_traceable(at::Tensor x, int64_t a, int64_t b, double s, double t) {
   return ScaleFn<true>::apply(x, a, b, s, t);
 }
@@ -107,6 +172,10 @@ FUNCTIONS = [
     "multi_opaque",
     "odd_none_traceable",
     "odd_none_opaque",
+    "config_traceable",
+    "config_opaque",
+    "split_traceable",
+    "split_opaque",
 ]
 
 

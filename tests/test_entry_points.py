@@ -121,9 +121,11 @@ def test_stock_behaviour_returns_after_the_context(ext):
     # Stock again: the plugin's cached CA graph is dropped, stock recompiles per value.
     run_loop(step, stock_enable)
     assert counts() == Counts(captures=2, compiles=1 + limit, graph_breaks=0)
-    # And back: the stock graph is dropped, the plugin compiles once more.
+    # And back: the stock graph is dropped; the plugin captures again and reuses the
+    # function it compiled for the same graph before (reuse.py).
     run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"))
-    assert counts() == Counts(captures=3, compiles=2 + limit, graph_breaks=0)
+    assert counts() == Counts(captures=3, compiles=1 + limit, graph_breaks=0)
+    assert torch._dynamo.utils.counters["ca_dynsaved"]["reuse_hits"] == 1
 
 
 def test_state_restored_exactly_after_exit(ext):

@@ -23,13 +23,15 @@ from .report import report, reset_report
 
 def reset() -> None:
     """Return to a fresh process's state: ``torch._dynamo.reset()`` (which drops
-    every cached CA graph), then the plugin's node registry and report."""
+    every cached CA graph), then the plugin's registry, compiled-graph cache and
+    report."""
     import torch
 
-    from . import opaque
+    from . import opaque, reuse
 
     torch._dynamo.reset()
     opaque.clear()
+    reuse.clear()
     reset_report()
 
 __version__ = "0.1.0"

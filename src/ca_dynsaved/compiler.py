@@ -55,6 +55,20 @@ class _Unsupported(Exception):
     """This node cannot be made opaque; it keeps stock behaviour."""
 
 
+@dataclass(frozen=True)
+class _Captured:
+    """Stands, while flattening, for the capture's ``index``-th hashed saved value."""
+
+    index: int
+
+
+def _is_hashed_constant(value: Any) -> bool:
+    return not any(
+        isinstance(leaf, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool))
+        for leaf in pytree.tree_leaves(value)
+    )
+
+
 class DynSavedCompilerInstance(_compat.StockCompilerInstance):
     """A CA capture that runs custom-function backwards through opaque ops.
 
@@ -86,7 +100,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         self._custom_fns: dict[str, Callable[..., Any]] = {}
         self._pending: _PendingCall | None = None
         self._records: list[NodeRecord] = []
-        self._keys: list[str] = []
+        self._nodes: list[opaque.NodeCapture] = []  # per opaque op, in slot order
         return out
 
     @_disable
@@ -181,17 +195,31 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
 
     def _emit_opaque(self, pending: _PendingCall, meta: Any) -> Any:
         """Put one opaque op for ``pending`` in the graph; return its output proxy."""
+        call_args = pending.args
+        captured: list[Any] = []
         if pending.fn is not None:
             try:
-                keys, values, _ = _compat.split_cpp_node_args(pending.args)
+                keys, values, rest = _compat.split_cpp_node_args(pending.args)
             except _compat.LayoutError as e:
                 raise _Unsupported(str(e)) from e
-        leaves, treedef = pytree.tree_flatten((pending.args, meta))
+            # A saved value CA hashed (bool, str, None, a list or dict of them) is a
+            # value of this capture, not structure: it reaches the op at run time.
+            slots = []
+            for value in values:
+                if _is_hashed_constant(value):
+                    slots.append(_Captured(len(captured)))
+                    captured.append(value)
+                else:
+                    slots.append(value)
+            call_args = (keys, *slots, *rest)
+        leaves, treedef = pytree.tree_flatten((call_args, meta))
         specs: list[tuple[str, Any]] = []
         tensors: list[Any] = []
         symints: list[Any] = []
         for leaf in leaves:
-            if isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, _Captured):
+                specs.append((opaque.CAPTURED, leaf.index))
+            elif isinstance(leaf, torch.Tensor):
                 specs.append((opaque.TENSOR, len(tensors)))
                 tensors.append(self.to_proxy(leaf))
             elif isinstance(leaf, (torch.SymInt, torch.SymFloat)):
@@ -206,26 +234,25 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             elif isinstance(leaf, torch.SymBool):
                 raise _Unsupported("a symbolic bool")
             else:
-                # Anything else CA hashed into its cache key: fixed for this graph.
                 specs.append((opaque.CONST, leaf))
         out_defined = tuple(m is not None for m in meta)  # None: invalid next edge
-        key = opaque.register(
-            opaque.NodeSpec(pending.name, pending.fn, treedef, tuple(specs), out_defined)
-        )
-        self._keys.append(key)
+        key = opaque.register(opaque.NodeSpec(pending.name, treedef, tuple(specs), out_defined))
+        slot = len(self._nodes)
+        self._nodes.append(opaque.NodeCapture(pending.fn, tuple(captured)))
         counters = _compat.counters["ca_dynsaved"]
         grads = self.to_proxy(pending.grads)
         if pending.fn is not None:
             kinds = tuple(_value_kind(v, self._lifted) for v in values)
             counters["lifted_ints"] += kinds.count(opaque.INT)
             counters["lifted_floats"] += kinds.count(opaque.FLOAT)
+            counters["hashed_values"] += len(captured)
             record = NodeRecord(pending.name, opaque=True, keys=tuple(keys), kinds=kinds)
-            op_args = (grads, tensors, *self._packed_scalar_proxies(), symints, key)
+            op_args = (grads, tensors, *self._packed_scalar_proxies(), symints, key, slot)
             op = opaque.CPP_OP
         else:
             attrs = pending.ctx_attributes or {}
             record = NodeRecord(pending.name, opaque=True, keys=tuple(attrs), kinds=tuple(attrs.values()))
-            op_args = (grads, self.to_proxy(list(pending.saved)), symints, key, pending.hook)
+            op_args = (grads, self.to_proxy(list(pending.saved)), symints, key, slot, pending.hook)
             op = opaque.PY_OP
         counters["opaque_nodes"] += 1
         self._records.append(record)
@@ -257,11 +284,13 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
     @_disable
     def end_capture(self, outputs):  # type: ignore[no-untyped-def,override]
         runtime_wrapper, compiled_fn = super().end_capture(outputs)
-        record_capture(self._records)
-        if not self._keys:
+        record = record_capture(self._records)
+        if not self._nodes:
             return runtime_wrapper, compiled_fn
         kinds = self._scalar_kinds if self._packed_proxies is not None else None
-        wrapper = runtime.make_runtime_wrapper(runtime_wrapper, self._graph_module, kinds, self._keys)
+        wrapper = runtime.make_runtime_wrapper(
+            runtime_wrapper, self._graph_module, kinds, self._nodes, record
+        )
         return wrapper, compiled_fn
 
 

@@ -9,12 +9,15 @@ on saved values and breaks no graph for non-traceable C++ functions.
 * ``ca_dynsaved::cpp_function`` runs a C++ ``torch::autograd::Function``; its
   lifted ints and doubles arrive packed in two tensors (see ``runtime.py``).
 * ``ca_dynsaved::py_function`` runs a Python ``autograd.Function`` backward with
-  its real ctx, taken from CA's ``hooks`` list of this run (``bound_hooks``).
+  its real ctx, taken from CA's ``hooks`` of this run.
 
-Per-node data that is not a graph value (constants, argument structure, the C++
-functional) lives in a process-local registry keyed by a content hash; the graph
-carries only that key. Every fresh process refills the registry from the CA
-capture it has to do first.
+What the graph carries is structure only: a key naming a ``NodeSpec`` (argument
+structure, constants of the output metadata) in a process-local registry, and the
+node's slot. What belongs to one capture rather than to the structure (the C++
+functional, the bool/str/list ``saved_data`` values CA hashed, which gradients the
+backward leaves undefined) is a ``NodeCapture`` the runtime wrapper binds for the
+run (``bound_run``). Two captures that differ only in hashed values therefore
+produce the same graph, and ``reuse.py`` can give them one compiled function.
 """
 
 from __future__ import annotations
@@ -31,39 +34,39 @@ import torch.utils._pytree as pytree
 
 from . import _compat
 
-# Leaf kinds of a node's flattened (call args, output metadata).
-CONST, TENSOR, INT, FLOAT, SYMINT = "const", "tensor", "int", "float", "symint"
+# Leaf kinds of a node's flattened (call args, output metadata): a constant of the
+# structure, a value of the capture, a tensor input, a lifted int / float, a size.
+CONST, CAPTURED, TENSOR, INT, FLOAT, SYMINT = "const", "captured", "tensor", "int", "float", "symint"
 
 
 @dataclass(frozen=True)
 class NodeSpec:
-    """Everything about one custom-function call that is fixed for a CA graph."""
+    """The structure of one custom-function call: what the compiled graph depends on."""
 
     name: str  # node name, for messages
-    fn: Callable[..., Any] | None  # C++: CppNode_apply_functional_ivalue<T>; Python: None
     treedef: pytree.TreeSpec  # structure of (call args, output metadata)
     leaves: tuple[tuple[str, Any], ...]  # (kind, constant or slot index)
     out_defined: tuple[bool, ...]  # False where the next edge is invalid (no grad needed)
 
 
-_REGISTRY: dict[str, NodeSpec] = {}
+@dataclass
+class NodeCapture:
+    """What one opaque node of one capture holds besides its structure."""
 
-# key -> which outputs the compiled graph treats as defined. Learned from the first
-# (eager) run of a CA graph, or fixed by the fake impl if Dynamo traces first; the
-# real impl then checks every later call against it.
-_DEFINED: dict[str, tuple[bool, ...]] = {}
+    fn: Callable[..., Any] | None  # C++: CppNode_apply_functional_ivalue<T>; Python: None
+    captured: tuple[Any, ...]  # the values of the CAPTURED leaves
+    defined: tuple[bool, ...] | None = None  # which outputs its backward returned, once run
+
+
+_REGISTRY: dict[str, NodeSpec] = {}
 
 
 def register(spec: NodeSpec) -> str:
     """Store ``spec`` under a key derived from its content; return the key."""
-    text = repr((spec.name, spec.fn is None, str(spec.treedef), spec.leaves, spec.out_defined))
+    text = repr((spec.name, str(spec.treedef), spec.leaves, spec.out_defined))
     key = hashlib.sha1(text.encode()).hexdigest()[:20]
     _REGISTRY[key] = spec
     return key
-
-
-def is_learned(key: str) -> bool:
-    return key in _DEFINED
 
 
 def registry_size() -> int:
@@ -73,30 +76,47 @@ def registry_size() -> int:
 def clear() -> None:
     """Forget every node spec (only safe when no plugin CA graph is cached)."""
     _REGISTRY.clear()
-    _DEFINED.clear()
 
 
-def _rebuild(spec: NodeSpec, tensors, ints, floats, symints) -> tuple[Any, Any]:  # type: ignore[no-untyped-def]
+# A graph compiled after the first run names the learned undefined outputs in the
+# op's key ("<spec key>/101"), so fake impls and reuse see them as structure.
+def with_defined(key: str, defined: Sequence[bool]) -> str:
+    return key.split("/")[0] + "/" + "".join("1" if d else "0" for d in defined)
+
+
+def _parse_key(key: str) -> tuple[NodeSpec, tuple[bool, ...] | None]:
+    spec_key, _, bits = key.partition("/")
+    return _REGISTRY[spec_key], (tuple(b == "1" for b in bits) if bits else None)
+
+
+def _rebuild(spec: NodeSpec, tensors, ints, floats, symints, captured) -> tuple[Any, Any]:  # type: ignore[no-untyped-def]
     """(call args, output metadata) of ``spec`` with this call's values filled in."""
-    slots = {TENSOR: tensors, INT: ints, FLOAT: floats, SYMINT: symints}
+    slots = {TENSOR: tensors, INT: ints, FLOAT: floats, SYMINT: symints, CAPTURED: captured}
     values = [payload if kind is CONST else slots[kind][payload] for kind, payload in spec.leaves]
     return pytree.tree_unflatten(values, spec.treedef)
 
 
-# --- the hooks of the CA graph being run -------------------------------------------
+# --- what the runtime wrapper binds for one run ---------------------------------------
 _local = threading.local()
 
 
 @contextlib.contextmanager
-def bound_hooks(hooks: Sequence[Any]) -> Iterator[None]:
-    """Make this run's CA ``hooks`` (which hold the Python ctx objects) visible to
-    ``py_function``: a custom op cannot take a Python object as an argument."""
-    prior = getattr(_local, "hooks", None)
-    _local.hooks = hooks
+def bound_run(hooks: Sequence[Any], nodes: Sequence[NodeCapture]) -> Iterator[None]:
+    """Make this run's CA ``hooks`` (holding the Python ctx objects) and the
+    capture's nodes visible to the ops: a custom op takes no Python objects."""
+    prior = getattr(_local, "run", None)
+    _local.run = (hooks, nodes)
     try:
         yield
     finally:
-        _local.hooks = prior
+        _local.run = prior
+
+
+def _bound(spec: NodeSpec) -> tuple[Sequence[Any], Sequence[NodeCapture]]:
+    run = getattr(_local, "run", None)
+    if run is None:
+        raise RuntimeError(f"ca_dynsaved: {spec.name} run outside the runtime wrapper of its CA graph")
+    return run
 
 
 # --- real impls ----------------------------------------------------------------------
@@ -105,27 +125,26 @@ class UndefinedGradError(RuntimeError):
 
 
 @torch._dynamo.disable
-def run_cpp(grads, tensors, ints, floats, symints, key):  # type: ignore[no-untyped-def]
+def run_cpp(grads, tensors, ints, floats, symints, key, slot):  # type: ignore[no-untyped-def]
     # Excluded from Dynamo: this runs inside backward, which may run inside a
     # compiled frame, and a traced copy would freeze the saved values it read.
-    spec = _REGISTRY[key]
+    spec, compiled_defined = _parse_key(key)
+    node = _bound(spec)[1][slot]
     int_values, float_values = ints.tolist(), floats.tolist()
-    args, out_meta = _rebuild(spec, tensors, int_values, float_values, symints)
-    outs = spec.fn(list(grads), *args)  # type: ignore[misc]
+    args, out_meta = _rebuild(spec, tensors, int_values, float_values, symints, node.captured)
+    outs = node.fn(list(grads), *args)  # type: ignore[misc]
     return _finish(
-        key, spec, outs, out_meta, (*grads, *tensors),
-        lambda: f"saved ints {int_values}, floats {float_values}",
+        spec, node, compiled_defined, outs, out_meta, (*grads, *tensors),
+        lambda: f"saved ints {int_values}, floats {float_values}, hashed {node.captured}",
     )
 
 
 @torch._dynamo.disable
-def run_python(grads, saved, symints, key, hook):  # type: ignore[no-untyped-def]
-    spec = _REGISTRY[key]
-    hooks = getattr(_local, "hooks", None)
-    if hooks is None:
-        raise RuntimeError(f"ca_dynsaved: {spec.name} run outside the runtime wrapper of its CA graph")
-    ctx = hooks[hook]
-    (positions,), out_meta = _rebuild(spec, saved, (), (), symints)
+def run_python(grads, saved, symints, key, slot, hook):  # type: ignore[no-untyped-def]
+    spec, compiled_defined = _parse_key(key)
+    hooks, nodes = _bound(spec)
+    node, ctx = nodes[slot], hooks[hook]
+    (positions,), out_meta = _rebuild(spec, saved, (), (), symints, node.captured)
     outs = _compat.call_backward(ctx, list(saved), *grads)
     for i, out in enumerate(outs):
         if out is not None and i not in positions:
@@ -135,17 +154,22 @@ def run_python(grads, saved, symints, key, hook):  # type: ignore[no-untyped-def
                 f"position {i + 1}, but the corresponding forward input was not a Variable"
             )
     outs = [outs[i] if i < len(outs) else None for i in positions]
-    return _finish(key, spec, outs, out_meta, (*grads, *saved), lambda: f"ctx attributes {vars(ctx)}")
+    return _finish(
+        spec, node, compiled_defined, outs, out_meta, (*grads, *saved),
+        lambda: f"ctx attributes {vars(ctx)}",
+    )
 
 
-def _finish(key, spec, outs, out_meta, inputs, describe_saved):  # type: ignore[no-untyped-def]
+def _finish(spec, node, compiled_defined, outs, out_meta, inputs, describe_saved):  # type: ignore[no-untyped-def]
     """Check undefined grads against the graph, validate as the engine does, and
     return outputs a custom op may return (contiguous, not aliasing an input).
     ``describe_saved()`` names the saved values, for the error message only."""
     outs = list(outs) + [None] * (len(spec.out_defined) - len(outs))
     defined = tuple(v and outs[i] is not None for i, v in enumerate(spec.out_defined))
-    expected = _DEFINED.setdefault(key, defined)
-    if defined != expected:
+    expected = compiled_defined if compiled_defined is not None else node.defined
+    if expected is None:
+        node.defined = defined  # the first run of this capture: learn
+    elif defined != expected:
         raise UndefinedGradError(_undefined_message(spec, expected, defined, describe_saved()))
     validated = _compat.validate_outputs_fn()(
         [o if d else None for o, d in zip(outs, defined)], out_meta
@@ -184,28 +208,30 @@ def _undefined_message(spec, expected, got, saved_desc) -> str:  # type: ignore[
     "ca_dynsaved::cpp_function",
     mutates_args=(),
     schema="(Tensor?[] grads, Tensor?[] tensors, Tensor ints, Tensor floats, "
-    "SymInt[] symints, str key) -> Tensor?[]",
+    "SymInt[] symints, str key, int slot) -> Tensor?[]",
 )
-def _cpp_function(grads, tensors, ints, floats, symints, key):  # type: ignore[no-untyped-def]
-    return run_cpp(grads, tensors, ints, floats, symints, key)
+def _cpp_function(grads, tensors, ints, floats, symints, key, slot):  # type: ignore[no-untyped-def]
+    return run_cpp(grads, tensors, ints, floats, symints, key, slot)
 
 
 @torch.library.custom_op(
     "ca_dynsaved::py_function",
     mutates_args=(),
-    schema="(Tensor?[] grads, Tensor?[] saved, SymInt[] symints, str key, int hook) -> Tensor?[]",
+    schema="(Tensor?[] grads, Tensor?[] saved, SymInt[] symints, str key, int slot, int hook) "
+    "-> Tensor?[]",
 )
-def _py_function(grads, saved, symints, key, hook):  # type: ignore[no-untyped-def]
-    return run_python(grads, saved, symints, key, hook)
+def _py_function(grads, saved, symints, key, slot, hook):  # type: ignore[no-untyped-def]
+    return run_python(grads, saved, symints, key, slot, hook)
 
 
 def _fake_outputs(key: str, tensors, symints) -> list[torch.Tensor | None]:  # type: ignore[no-untyped-def]
-    spec = _REGISTRY[key]
-    defined = _DEFINED.setdefault(key, spec.out_defined)
-    # Saved values only feed the call args; the output metadata never holds one.
-    _, out_meta = _rebuild(spec, tensors, defaultdict(int), defaultdict(float), symints)
+    spec, defined = _parse_key(key)
+    # Saved values only feed the call args; the output metadata holds none of them.
+    _, out_meta = _rebuild(
+        spec, tensors, defaultdict(int), defaultdict(float), symints, defaultdict(type(None))
+    )
     outs: list[torch.Tensor | None] = []
-    for d, meta in zip(defined, out_meta):
+    for d, meta in zip(defined or spec.out_defined, out_meta):
         if not d:
             outs.append(None)
             continue
@@ -216,12 +242,12 @@ def _fake_outputs(key: str, tensors, symints) -> list[torch.Tensor | None]:  # t
 
 
 @_cpp_function.register_fake
-def _(grads, tensors, ints, floats, symints, key):  # type: ignore[no-untyped-def]
+def _(grads, tensors, ints, floats, symints, key, slot):  # type: ignore[no-untyped-def]
     return _fake_outputs(key, tensors, symints)
 
 
 @_py_function.register_fake
-def _(grads, saved, symints, key, hook):  # type: ignore[no-untyped-def]
+def _(grads, saved, symints, key, slot, hook):  # type: ignore[no-untyped-def]
     return _fake_outputs(key, saved, symints)
 
 
@@ -230,3 +256,5 @@ CPP_OP = torch.ops.ca_dynsaved.cpp_function.default
 PY_OP = torch.ops.ca_dynsaved.py_function.default
 #: Direct (differentiable) runners, used when a graph runs with create_graph=True.
 RUNNERS = {CPP_OP: run_cpp, PY_OP: run_python}
+#: Position of the ``key`` argument of each op.
+KEY_ARG = {CPP_OP: 5, PY_OP: 3}

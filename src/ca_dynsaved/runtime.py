@@ -1,20 +1,20 @@
-"""The runtime wrapper of a plugin CA graph: scalar packing, hooks, first runs.
+"""The runtime wrapper of a plugin CA graph: what each run needs, and which code runs.
 
-CA passes the lifted ``saved_data`` ints and doubles as a list of Python numbers
-(the ``scalars`` placeholder). Dynamo guards on a Python number it reads, so the
-opaque ops never read them: the wrapper appends two tensors (all lifted ints as
-int64, all lifted doubles as float64) and the ops read those. Dynamo then guards
-only on the tensors' metadata, which is fixed for a CA graph. The wrapper also
-binds CA's ``hooks`` (the Python ctx objects) for ``py_function``.
-
-Whether a backward leaves a gradient undefined cannot be seen at capture, so until
-every opaque node of the graph has run once, the wrapper runs the captured graph
-eagerly; the compiled graph is then traced knowing which outputs are None.
-
-A backward with ``create_graph=True`` (grad mode on inside CA) must record the
-backward's own autograd history, which an opaque op without a derivative cuts;
-CA's cache does not tell such calls apart, so the wrapper runs those calls through
-the captured graph eagerly with each opaque op replaced by a direct call.
+* Scalars: CA passes the lifted ``saved_data`` ints and doubles as a list of Python
+  numbers (the ``scalars`` placeholder). Dynamo guards on a Python number it reads,
+  so the opaque ops never read them: the wrapper appends two tensors (all lifted
+  ints as int64, all lifted doubles as float64) that the ops read. Dynamo then
+  guards only on their metadata, which is fixed for a CA graph.
+* Bound data: CA's ``hooks`` (where the Python ctx objects are) and the capture's
+  ``NodeCapture``s (hashed values, C++ functionals), for the ops to read.
+* Which code: whether a backward leaves a gradient undefined cannot be seen at
+  capture, so the first run of a capture is the captured graph run eagerly; it
+  records those gradients, which then become part of the graph (``reuse.py``), and
+  later runs use the compiled function of that graph, or of an equal one compiled
+  for another capture. A backward with ``create_graph=True`` (grad mode on inside
+  CA) must record the backward's own autograd history, which an opaque op without
+  a derivative cuts; CA's cache does not tell such calls apart, so those calls run
+  the captured graph eagerly with each opaque op replaced by a direct call.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch._dynamo.utils import counters
 
-from . import opaque
+from . import opaque, reuse
+from .report import CaptureRecord
 
 
 def pack(values: Sequence[Any], kinds: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,12 +49,13 @@ def make_runtime_wrapper(
     runtime_wrapper: Callable[..., Any],
     graph_module: torch.fx.GraphModule,
     kinds: Sequence[str] | None,
-    keys: Sequence[str],
+    nodes: list[opaque.NodeCapture],
+    record: CaptureRecord,
 ) -> Callable[..., Any]:
-    """Wrap CA's runtime wrapper for a graph holding opaque ops with ``keys``;
+    """Wrap CA's runtime wrapper for a captured graph with opaque ops for ``nodes``;
     ``kinds`` (one per lifted scalar) when C++ opaque ops read packed scalars."""
     kinds = None if kinds is None else tuple(kinds)
-    pending = set(keys)
+    compiled: list[Callable[..., Any]] = []  # set once every node has run
 
     @torch._dynamo.disable
     def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
@@ -64,18 +66,19 @@ def make_runtime_wrapper(
                     f"called with {len(scalars)}"
                 )
             scalars = [*scalars, *pack(scalars, kinds)]
+        if not compiled and all(node.defined is not None for node in nodes):
+            reuse.name_undefined_outputs(graph_module, nodes)
+            fn, record.compiled = reuse.compiled_for(graph_module, compiled_fn)
+            compiled.append(fn)
         if torch.is_grad_enabled():
             counters["ca_dynsaved"]["create_graph_eager_runs"] += 1
             fn = _Differentiable(graph_module).run_to_list
+        elif compiled:
+            fn = compiled[0]
         else:
-            if pending:
-                pending.difference_update([k for k in pending if opaque.is_learned(k)])
-            if pending:
-                counters["ca_dynsaved"]["first_eager_runs"] += 1
-                fn = graph_module
-            else:
-                fn = compiled_fn
-        with opaque.bound_hooks(hooks):
+            counters["ca_dynsaved"]["first_eager_runs"] += 1
+            fn = graph_module
+        with opaque.bound_run(hooks, nodes):
             return runtime_wrapper(fn, inputs, sizes, scalars, hooks, packed_inputs)
 
     return wrapper

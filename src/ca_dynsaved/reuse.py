@@ -1,0 +1,80 @@
+"""One compiled function for CA graphs that differ only in hashed saved values.
+
+CA hashes bool, str, None and nested (list / dict) ``saved_data`` values into its
+cache key, so each new combination is a new capture and, under stock, a new
+Dynamo compile of a new GraphModule. Once those values travel as run-time data of
+the capture (``opaque.NodeCapture``), such captures produce the same graph, and
+this cache hands the second one the compiled function of the first.
+
+The key of a graph is everything its compiled code depends on: the generated code
+(placeholders used, node order, every constant argument, the op keys naming
+structure and undefined outputs) and the identity of every callable and attribute
+the code reaches, since a per-capture closure (an AOT backward prologue, a stock
+C++ node op) can hide behind the same name. The cache keeps what it holds alive,
+so an id cannot be reused while its entry exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+from torch._dynamo.utils import counters
+
+from . import opaque
+
+#: Most compiled functions kept; the least recently used goes first.
+MAX_ENTRIES = 64
+
+_CACHE: OrderedDict[str, Callable[..., Any]] = OrderedDict()
+
+
+def canonical_key(gm: torch.fx.GraphModule) -> str:
+    identities = []
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            identities.append(id(node.target) if node.op == "call_function" else node.target)
+        elif node.op == "get_attr":
+            identities.append(id(getattr(gm, node.target)))
+    return hashlib.sha1(repr((gm.code, identities)).encode()).hexdigest()
+
+
+def name_undefined_outputs(gm: torch.fx.GraphModule, nodes: list[opaque.NodeCapture]) -> None:
+    """Put each opaque node's learned undefined outputs into its key (see opaque)."""
+    for node in gm.graph.nodes:
+        index = opaque.KEY_ARG.get(node.target)
+        if index is not None:
+            slot = node.args[index + 1]
+            args = list(node.args)
+            args[index] = opaque.with_defined(args[index], nodes[slot].defined)
+            node.args = tuple(args)
+    gm.recompile()
+
+
+def compiled_for(
+    gm: torch.fx.GraphModule, compiled_fn: Callable[..., Any]
+) -> tuple[Callable[..., Any], str]:
+    """The compiled function of an equal graph seen before ("reused"), else
+    ``compiled_fn``, the one compiled for ``gm`` ("compiled")."""
+    key = canonical_key(gm)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        _CACHE.move_to_end(key)
+        counters["ca_dynsaved"]["reuse_hits"] += 1
+        return hit, "reused"
+    counters["ca_dynsaved"]["reuse_misses"] += 1
+    _CACHE[key] = compiled_fn
+    if len(_CACHE) > MAX_ENTRIES:
+        _CACHE.popitem(last=False)
+        counters["ca_dynsaved"]["reuse_evictions"] += 1
+    return compiled_fn, "compiled"
+
+
+def cache_size() -> int:
+    return len(_CACHE)
+
+
+def clear() -> None:
+    _CACHE.clear()
