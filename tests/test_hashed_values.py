@@ -96,3 +96,13 @@ def test_cache_is_bounded(ext, monkeypatch):
     run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=6)
     assert reuse.cache_size() == 1
     assert torch._dynamo.utils.counters["ca_dynsaved"]["reuse_evictions"] == 2
+
+
+def test_code_is_reused_only_for_the_same_compiler(ext):
+    step = _config_step(ext.config_opaque)
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=2)
+    run_loop(step, lambda: ca_dynsaved.enable(backend="eager"), steps=8)
+    # Combos 0, 1 were captured under aot_eager (CA's cache keeps their compiler, as
+    # stock does); 2, 3 are captured under eager and must not get aot_eager code.
+    assert [c.compiled for c in ca_dynsaved.report().captures] == ["compiled", "reused", "compiled", "reused"]
+    assert counts() == Counts(captures=4, compiles=2, graph_breaks=0)

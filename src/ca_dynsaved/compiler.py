@@ -289,7 +289,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             return runtime_wrapper, compiled_fn
         kinds = self._scalar_kinds if self._packed_proxies is not None else None
         wrapper = runtime.make_runtime_wrapper(
-            runtime_wrapper, self._graph_module, kinds, self._nodes, record
+            runtime_wrapper, self._graph_module, kinds, self._nodes, record, self.compiler_fn
         )
         return wrapper, compiled_fn
 

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 
 from . import pyctx
 from ._install import ca_context, plugin_mode
+
+
+@dataclass(frozen=True)
+class TorchCompile:
+    """``torch.compile(graph, backend=..., fullgraph=...)``, equal by value so that
+    code compiled under one ``enable`` object is reused under another (reuse.py)."""
+
+    backend: str | Callable[..., Any]
+    fullgraph: bool
+
+    def __call__(self, gm: torch.fx.GraphModule) -> Callable[..., Any]:
+        return torch.compile(gm, backend=self.backend, fullgraph=self.fullgraph)
 
 
 class enable(contextlib.ContextDecorator):
@@ -37,12 +50,7 @@ class enable(contextlib.ContextDecorator):
         exclude: Iterable[str] = (),
         python_policy: str | None = None,
     ) -> None:
-        if compiler_fn is None:
-
-            def compiler_fn(gm: torch.fx.GraphModule) -> Callable[..., Any]:
-                return torch.compile(gm, backend=backend, fullgraph=fullgraph)
-
-        self.compiler_fn = compiler_fn
+        self.compiler_fn = compiler_fn or TorchCompile(backend, fullgraph)
         self.dynamic = dynamic
         self.exclude = frozenset(exclude)
         self.python_policy = None if python_policy is None else pyctx.check_policy(python_policy)

@@ -8,10 +8,16 @@ this cache hands the second one the compiled function of the first.
 
 The key of a graph is everything its compiled code depends on: the generated code
 (placeholders used, node order, every constant argument, the op keys naming
-structure and undefined outputs) and the identity of every callable and attribute
+structure and undefined outputs), the identity of every callable and attribute
 the code reaches, since a per-capture closure (an AOT backward prologue, a stock
-C++ node op) can hide behind the same name. The cache keeps what it holds alive,
-so an id cannot be reused while its entry exists.
+C++ node op) can hide behind the same name, and the compiler. The cache keeps
+what it holds alive, so an id cannot be reused while its entry exists.
+
+Compilers: ``enable``'s default compares by (backend, fullgraph); a given
+``compiler_fn`` by identity. Dynamo's config path builds a new compiler for every
+compiled frame it enters, so all of its compilers count as one: two compiled
+frames with different backends may share code for an equal CA graph, as stock
+CA's own cache shares it across them for a graph it has seen.
 """
 
 from __future__ import annotations
@@ -28,7 +34,19 @@ from . import opaque
 #: Most compiled functions kept; the least recently used goes first.
 MAX_ENTRIES = 64
 
-_CACHE: OrderedDict[str, Callable[..., Any]] = OrderedDict()
+_CACHE: OrderedDict[tuple[str, Any], Callable[..., Any]] = OrderedDict()
+
+
+def compiler_tag(compiler_fn: Any) -> Any:
+    from torch._dynamo.eval_frame import OptimizeContext
+
+    from .enable import TorchCompile
+
+    if isinstance(compiler_fn, TorchCompile):
+        return compiler_fn
+    if isinstance(compiler_fn, OptimizeContext):
+        return ("dynamo config path", compiler_fn.fullgraph)
+    return compiler_fn
 
 
 def canonical_key(gm: torch.fx.GraphModule) -> str:
@@ -54,11 +72,11 @@ def name_undefined_outputs(gm: torch.fx.GraphModule, nodes: list[opaque.NodeCapt
 
 
 def compiled_for(
-    gm: torch.fx.GraphModule, compiled_fn: Callable[..., Any]
+    gm: torch.fx.GraphModule, compiled_fn: Callable[..., Any], compiler_fn: Any
 ) -> tuple[Callable[..., Any], str]:
-    """The compiled function of an equal graph seen before ("reused"), else
-    ``compiled_fn``, the one compiled for ``gm`` ("compiled")."""
-    key = canonical_key(gm)
+    """The compiled function of an equal graph seen before with the same compiler
+    ("reused"), else ``compiled_fn``, the one compiled for ``gm`` ("compiled")."""
+    key = (canonical_key(gm), compiler_tag(compiler_fn))
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)

@@ -51,6 +51,7 @@ def make_runtime_wrapper(
     kinds: Sequence[str] | None,
     nodes: list[opaque.NodeCapture],
     record: CaptureRecord,
+    compiler_fn: Callable[..., Any],
 ) -> Callable[..., Any]:
     """Wrap CA's runtime wrapper for a captured graph with opaque ops for ``nodes``;
     ``kinds`` (one per lifted scalar) when C++ opaque ops read packed scalars."""
@@ -68,7 +69,7 @@ def make_runtime_wrapper(
             scalars = [*scalars, *pack(scalars, kinds)]
         if not compiled and all(node.defined is not None for node in nodes):
             reuse.name_undefined_outputs(graph_module, nodes)
-            fn, record.compiled = reuse.compiled_for(graph_module, compiled_fn)
+            fn, record.compiled = reuse.compiled_for(graph_module, compiled_fn, compiler_fn)
             compiled.append(fn)
         if torch.is_grad_enabled():
             counters["ca_dynsaved"]["create_graph_eager_runs"] += 1
