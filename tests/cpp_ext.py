@@ -133,6 +133,23 @@ struct SplitFn : public Function<SplitFn<TRACE>> {
   }
 };
 
+// No gradient when the saved bool says so: None depends on a hashed value.
+template <bool TRACE>
+struct SkipFn : public Function<SkipFn<TRACE>> {
+  static constexpr bool is_traceable = TRACE;
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor x, bool skip, int64_t k) {
+    ctx->saved_data["skip"] = skip;
+    ctx->saved_data["k"] = k;
+    return x * static_cast<double>(k);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    if (ctx->saved_data["skip"].toBool()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    return {g[0] * static_cast<double>(ctx->saved_data["k"].toInt()), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor skip_traceable(at::Tensor x, bool skip, int64_t k) { return SkipFn<true>::apply(x, skip, k); }
+at::Tensor skip_opaque(at::Tensor x, bool skip, int64_t k) { return SkipFn<false>::apply(x, skip, k); }
 at::Tensor config_traceable(at::Tensor x, bool flip, std::string mode, std::vector<int64_t> dims,
                             double wa, double wb) {
   return ConfigFn<true>::apply(x, flip, mode, dims, wa, wb);
@@ -176,6 +193,8 @@ FUNCTIONS = [
     "config_opaque",
     "split_traceable",
     "split_opaque",
+    "skip_traceable",
+    "skip_opaque",
 ]
 
 

@@ -106,3 +106,18 @@ def test_code_is_reused_only_for_the_same_compiler(ext):
     # stock does); 2, 3 are captured under eager and must not get aot_eager code.
     assert [c.compiled for c in ca_dynsaved.report().captures] == ["compiled", "reused", "compiled", "reused"]
     assert counts() == Counts(captures=4, compiles=2, graph_breaks=0)
+
+
+@pytest.mark.parametrize("variant", ["traceable", "opaque"])
+def test_none_grad_that_depends_on_a_hashed_value(ext, variant):
+    """A bool decides whether the gradient is None: each value is its own capture,
+    whose first run records its None, so each gets a graph of its own, and every
+    step matches eager (None included)."""
+    skip = getattr(ext, f"skip_{variant}")
+    results = run_loop(
+        leaf_grad_step(lambda x, i: skip(x, i % 2 == 1, i)),
+        lambda: ca_dynsaved.enable(backend="aot_eager"),
+        steps=8,
+    )
+    assert [r[0] is None for r in results] == [False, True] * 4
+    assert counts() == Counts(captures=2, compiles=2, graph_breaks=0)
