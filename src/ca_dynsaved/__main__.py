@@ -1,4 +1,5 @@
-"""``python -m ca_dynsaved demo [--backend B] [--steps N]``."""
+"""python -m ca_dynsaved demo [--backend B] [--steps N]
+python -m ca_dynsaved run [--backend B] [--compare] script.py [args]"""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ def main(argv: list[str]) -> int:
         from .demo import main as demo_main
 
         return demo_main(rest)
+    if command == "run":
+        from .run import main as run_main
+
+        return run_main(rest)
     print(f"unknown command {command!r}; see `python -m ca_dynsaved --help`", file=sys.stderr)
     return 2
 

@@ -81,6 +81,19 @@ def swap_enable(fn: Callable[..., Any]) -> Callable[..., Any]:
     return prior
 
 
+def register_torch_log(name: str) -> None:
+    """Let ``TORCH_LOGS="+<name>"`` (debug) / ``"<name>"`` (info) control the
+    logger ``<name>``, as torch's own logs are controlled."""
+    import os
+
+    from torch._logging import _internal
+
+    _internal.register_log(name, [name])
+    if name in os.environ.get("TORCH_LOGS", ""):
+        # torch parsed TORCH_LOGS at import, before this log existed.
+        _internal._init_logs()
+
+
 def call_backward(ctx: Any, saved_tensors: list[Any], *grads: Any) -> tuple[Any, ...]:
     """Run a Python custom function's backward exactly as a CA graph does."""
     from torch._dynamo.external_utils import call_backward

@@ -169,6 +169,7 @@ def _mark_config_dirty(config: Any) -> None:
 def install() -> None:
     """Register the config entries and the ``_enable`` hook (done on import)."""
     with _lock:
+        _compat.register_torch_log("ca_dynsaved")
         _register_config()
         if _compat.ca._enable is not _enable_hook:
             _compat.swap_enable(_enable_hook)

@@ -22,6 +22,7 @@ run inside a compiled frame (DESIGN-NOTES pitfall 1).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -30,9 +31,12 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from . import _compat, opaque, pyctx, runtime
-from .report import NodeRecord, record_capture
+from . import report
 
 _disable = torch._dynamo.disable
+#: TORCH_LOGS="ca_dynsaved" shows what the plugin did with each capture; "+ca_dynsaved"
+#: adds the captured graph.
+log = logging.getLogger("ca_dynsaved")
 
 
 @dataclass
@@ -48,7 +52,10 @@ class _PendingCall:
     args: tuple[Any, ...] = ()
     hook: int = -1  # Python: index of the ctx in CA's hooks
     saved: tuple[Any, ...] = ()  # Python: saved tensors
-    ctx_attributes: dict[str, str] | None = None  # Python: for the report
+    ctx: Any = None  # Python: the real ctx, for the report
+
+
+_EXCLUDED = "excluded by enable(exclude=...)"
 
 
 class _Unsupported(Exception):
@@ -88,18 +95,22 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
 
     @_disable
     def begin_capture(self, inputs, sizes, scalars, origins, accumulate_grad, check_nans):  # type: ignore[no-untyped-def,override]
+        values = list(scalars)  # super() swaps them for symbols in place
         out = super().begin_capture(inputs, sizes, scalars, origins, accumulate_grad, check_nans)
         # symnode of each lifted scalar -> (kind, index among lifted scalars of that kind)
         self._lifted: dict[Any, tuple[str, int]] = {}
+        # symnode -> (index among all lifted scalars, value at capture), for the report
+        self._lifted_at: dict[Any, tuple[int, Any]] = {}
         self._scalar_kinds: list[str] = []
-        for sym in out[3]:
+        for index, sym in enumerate(out[3]):
             kind = opaque.INT if isinstance(sym, torch.SymInt) else opaque.FLOAT
             self._lifted[sym.node] = (kind, self._scalar_kinds.count(kind))
+            self._lifted_at[sym.node] = (index, values[index])
             self._scalar_kinds.append(kind)
         self._packed_proxies: tuple[Any, Any] | None = None
         self._custom_fns: dict[str, Callable[..., Any]] = {}
         self._pending: _PendingCall | None = None
-        self._records: list[NodeRecord] = []
+        self._capture = report.begin_capture(self.id)
         self._nodes: list[opaque.NodeCapture] = []  # per opaque op, in slot order
         return out
 
@@ -121,6 +132,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             return stock()
         name = _compat.cpp_node_name(args)
         if self._excluded(name):
+            self._report_cpp(name, _EXCLUDED, args)
             return stock()
         with disable_proxy_modes_tracing():
             dummies = [self.allocate_dummy() for _ in output_metadata]
@@ -151,10 +163,11 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         reason = pyctx.stock_reason(
             ctx, self.python_policy, maybe_backward_state_idx, opaque_object_indices
         )
+        if reason is None and self._excluded(name):
+            reason = _EXCLUDED
         if reason is not None:
-            self._record_stock(name, reason, pyctx.attributes(ctx))
-            return stock()
-        if self._excluded(name, pyctx.attributes(ctx)):
+            report.python_node(self._capture, name, False, reason, ctx, backward_idx)
+            _compat.counters["ca_dynsaved"]["stock_nodes"] += 1
             return stock()
         # One metadata per forward input, None where the input was not a tensor;
         # C++ keeps the backward's outputs at the tensor positions only.
@@ -168,7 +181,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             args=(tuple(i for i, m in enumerate(output_metadatas) if m is not None),),
             hook=backward_idx,
             saved=tuple(saved_tensors),
-            ctx_attributes=pyctx.attributes(ctx),
+            ctx=ctx,
         )
         return tuple(dummies)
 
@@ -186,7 +199,11 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         try:
             proxy_out = self._emit_opaque(pending, args[0])
         except _Unsupported as e:
-            self._record_stock(pending.name, str(e), pending.ctx_attributes)
+            if pending.fn is not None:
+                self._report_cpp(pending.name, str(e), pending.args)
+            else:
+                report.python_node(self._capture, pending.name, False, str(e), pending.ctx, pending.hook)
+                _compat.counters["ca_dynsaved"]["stock_nodes"] += 1
             traced = [t for t in pending.emit_stock() if t is not None]
             self.bind_objects_to_proxies(outputs, [self.to_proxy(t) for t in traced])
             return super().validate_outputs(_, outputs, args, output_metadata)
@@ -242,20 +259,18 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         counters = _compat.counters["ca_dynsaved"]
         grads = self.to_proxy(pending.grads)
         if pending.fn is not None:
-            kinds = tuple(_value_kind(v, self._lifted) for v in values)
+            kinds = [self._lifted[v.node][0] for v in values if _is_symbolic(v) and v.node in self._lifted]
             counters["lifted_ints"] += kinds.count(opaque.INT)
             counters["lifted_floats"] += kinds.count(opaque.FLOAT)
             counters["hashed_values"] += len(captured)
-            record = NodeRecord(pending.name, opaque=True, keys=tuple(keys), kinds=kinds)
+            self._report_cpp(pending.name, "", pending.args)
             op_args = (grads, tensors, *self._packed_scalar_proxies(), symints, key, slot)
             op = opaque.CPP_OP
         else:
-            attrs = pending.ctx_attributes or {}
-            record = NodeRecord(pending.name, opaque=True, keys=tuple(attrs), kinds=tuple(attrs.values()))
+            report.python_node(self._capture, pending.name, True, "", pending.ctx, pending.hook)
             op_args = (grads, self.to_proxy(list(pending.saved)), symints, key, slot, pending.hook)
             op = opaque.PY_OP
         counters["opaque_nodes"] += 1
-        self._records.append(record)
         return self.fx_tracer.create_proxy("call_function", op, op_args, {})
 
     def _packed_scalar_proxies(self) -> tuple[Any, Any]:
@@ -264,18 +279,25 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             self._packed_proxies = (self.scalars_proxy[n], self.scalars_proxy[n + 1])
         return self._packed_proxies
 
-    def _excluded(self, name: str, attributes: dict[str, str] | None = None) -> bool:
-        if not any(pattern in name for pattern in self.exclude):
-            return False
-        self._record_stock(name, "excluded by enable(exclude=...)", attributes)
-        return True
+    def _excluded(self, name: str) -> bool:
+        return any(pattern in name for pattern in self.exclude)
 
-    def _record_stock(self, name: str, reason: str, attributes: dict[str, str] | None = None) -> None:
-        attributes = attributes or {}
-        self._records.append(
-            NodeRecord(name, opaque=False, keys=tuple(attributes), kinds=tuple(attributes.values()), reason=reason)
-        )
-        _compat.counters["ca_dynsaved"]["stock_nodes"] += 1
+    def _report_cpp(self, name: str, stock_reason: str, args: Sequence[Any]) -> None:
+        """Describe a C++ node to the report; ``stock_reason`` "" means opaque."""
+        try:
+            keys, values, _ = _compat.split_cpp_node_args(args)
+        except _compat.LayoutError:
+            keys, values = [], []
+        saved = {}
+        for key, value in zip(keys, values):
+            if _is_symbolic(value) and value.node in self._lifted_at:
+                index, concrete = self._lifted_at[value.node]
+                saved[key] = (self._lifted[value.node][0], concrete, index)
+            elif _is_hashed_constant(value):
+                saved[key] = (type(value).__name__, value, None)
+        report.cpp_node(self._capture, name, not stock_reason, stock_reason, saved)
+        if stock_reason:
+            _compat.counters["ca_dynsaved"]["stock_nodes"] += 1
 
     def create_graph_module(self, id: str) -> torch.fx.GraphModule:  # type: ignore[override]
         self._graph_module = super().create_graph_module(id)
@@ -284,17 +306,20 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
     @_disable
     def end_capture(self, outputs):  # type: ignore[no-untyped-def,override]
         runtime_wrapper, compiled_fn = super().end_capture(outputs)
-        record = record_capture(self._records)
-        if not self._nodes:
+        if log.isEnabledFor(logging.INFO):
+            for node in self._capture.nodes:
+                what = "opaque" if node.opaque else f"stock ({node.reason})"
+                keys = ", ".join(f"{k}: {t}" for k, t in zip(node.keys, node.kinds))
+                log.info("capture !%d: %s %s; saved %s", self.id, node.name, what, keys or "nothing")
+            log.debug("capture !%d graph:\n%s", self.id, self._graph_module.code)
+        if not self._nodes and not self._capture.observes:
             return runtime_wrapper, compiled_fn
         kinds = self._scalar_kinds if self._packed_proxies is not None else None
         wrapper = runtime.make_runtime_wrapper(
-            runtime_wrapper, self._graph_module, kinds, self._nodes, record, self.compiler_fn
+            runtime_wrapper, self._graph_module, kinds, self._nodes, self._capture, self.compiler_fn
         )
         return wrapper, compiled_fn
 
 
-def _value_kind(value: Any, lifted: dict[Any, tuple[str, int]]) -> str:
-    if isinstance(value, (torch.SymInt, torch.SymFloat)) and value.node in lifted:
-        return lifted[value.node][0]
-    return type(value).__name__
+def _is_symbolic(value: Any) -> bool:
+    return isinstance(value, (torch.SymInt, torch.SymFloat))

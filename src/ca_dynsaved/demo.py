@@ -112,6 +112,7 @@ def run_demo(backend: str, steps: int, build_dir: str | os.PathLike[str]) -> dic
     import ca_dynsaved
 
     ext = build_extension(build_dir)
+    ca_dynsaved.reset_report()
 
     def stock() -> object:
         return torch._dynamo.compiled_autograd._enable(lambda gm: torch.compile(gm, backend=backend))
@@ -160,5 +161,9 @@ def main(argv: list[str] | None = None) -> int:
           "saved double and int change every step\n", flush=True)
     results = run_demo(args.backend, args.steps, args.build_dir)
     print(format_table(results))
+    import ca_dynsaved
+
+    print("ca_dynsaved.report() of the plugin runs:\n")
+    print(ca_dynsaved.report())
     ok = all(c.grads_equal for cols in results.values() for c in cols.values())
     return 0 if ok else 1

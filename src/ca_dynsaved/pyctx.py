@@ -26,11 +26,6 @@ def check_policy(policy: str) -> str:
     return policy
 
 
-def attributes(ctx: Any) -> dict[str, str]:
-    """Type name of each user attribute set on ``ctx`` (``ctx.k = ...``)."""
-    return {name: type(value).__name__ for name, value in vars(ctx).items()}
-
-
 def stock_reason(ctx: Any, policy: str, backward_state_idx: Any, opaque_object_indices: Any) -> str | None:
     """Why this Python node keeps stock behaviour, or None to run it opaque."""
     if policy == STOCK:

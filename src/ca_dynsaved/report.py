@@ -1,15 +1,75 @@
-"""What the plugin did at each capture, recorded so tests and users can inspect it."""
+"""What the plugin did with each custom function, and why: the explain report.
+
+The capture hooks (``compiler.py``) describe every custom-function node they see;
+the runtime wrapper adds the values each run carries; ``report()`` attributes
+Dynamo's recompiles of CA graphs (their guard failure names ``scalars[i]`` or
+``hooks[i].attr``) to the saved key or ctx attribute behind them. The result is
+plain data (``to_dict`` / ``to_json``) and prints as a table.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+#: Distinct values kept per key; more are counted, not stored.
+MAX_VALUES = 8
+
+DYNAMIC, OPAQUE, REUSED, STOCK = "dynamic", "opaque", "reused", "stock"
+
+
+@dataclass
+class KeyReport:
+    """One saved_data key of a C++ function, or one ctx attribute of a Python one."""
+
+    key: str
+    kind: str  # of its function: "C++" or "Python"
+    type: str
+    handling: str  # DYNAMIC, OPAQUE, REUSED or STOCK
+    reason: str
+    fix: str
+    values: list[Any] = field(default_factory=list)  # distinct values seen, first MAX_VALUES
+    more_values: int = 0  # distinct values seen beyond those
+    recompiles: int = 0  # Dynamo recompiles of CA graphs whose failed guard names it
+
+    @property
+    def compiles(self) -> int:
+        """Compiles of CA graphs specialised on it: for a value Dynamo guards (a
+        stock ctx attribute, a stock C++ int/float), the first compile and each
+        recompile its guard caused; 0 for a value the plugin keeps out of guards."""
+        guarded = self.handling == STOCK and (self.kind == "Python" or self.type in ("int", "float"))
+        return 1 + self.recompiles if guarded else 0
+
+    def see(self, value: Any) -> None:
+        if value in self.values:
+            return
+        if len(self.values) < MAX_VALUES:
+            self.values.append(value)
+        else:
+            self.more_values += 1  # an upper bound: values past the cap are not compared
+
+
+@dataclass
+class FunctionReport:
+    """One custom function (C++ class or Python Function), over all captures."""
+
+    name: str
+    kind: str  # "C++" or "Python"
+    opaque: bool
+    reason: str  # why it kept stock behaviour ("" when opaque)
+    keys: dict[str, KeyReport] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class NodeRecord:
     """One custom-function node of one CA capture."""
 
-    name: str  # "torch::autograd::CppNode<ScaleFn>", or a Python Function's name
+    name: str
     opaque: bool  # True: run through an opaque op; False: stock tracing
     keys: tuple[str, ...]  # saved_data keys, or ctx attribute names
     kinds: tuple[str, ...]  # per key: "int"/"float" (lifted, dynamic) or a type name
@@ -20,34 +80,224 @@ class NodeRecord:
 class CaptureRecord:
     """One CA capture made with the plugin."""
 
-    nodes: list[NodeRecord]
+    ca_id: int  # CA's graph id: Dynamo's compile ids of this graph start "!<ca_id>/"
+    start_time_us: int
+    nodes: list[NodeRecord] = field(default_factory=list)
     # How its graph got compiled code: "" until its first run is done, then
     # "compiled" (a new structure) or "reused" (the code of an equal graph).
     compiled: str = ""
+    scalars: dict[int, KeyReport] = field(default_factory=dict)  # lifted scalar index
+    hooks: dict[int, FunctionReport] = field(default_factory=dict)  # ctx index in hooks
+
+    def observe(self, scalars: Any, hooks: Any) -> None:
+        """Note the values this run carries (called by the runtime wrapper)."""
+        for index, key in self.scalars.items():
+            key.see(scalars[index])
+        for index, function in self.hooks.items():
+            ctx = hooks[index]
+            for name, key in function.keys.items():
+                key.see(getattr(ctx, name, None))
+
+    @property
+    def observes(self) -> bool:
+        return bool(self.scalars or self.hooks)
 
 
 @dataclass
 class Report:
     captures: list[CaptureRecord] = field(default_factory=list)
+    functions: dict[str, FunctionReport] = field(default_factory=dict)
 
     @property
     def nodes(self) -> list[NodeRecord]:
         return [n for capture in self.captures for n in capture.nodes]
 
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "functions": [
+                asdict(f) | {"keys": [asdict(k) | {"compiles": k.compiles} for k in f.keys.values()]}
+                for f in self.functions.values()
+            ],
+            "captures": [
+                {"ca_id": c.ca_id, "compiled": c.compiled, "nodes": [asdict(n) for n in c.nodes]}
+                for c in self.captures
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), default=repr, indent=1)
+
+    def __str__(self) -> str:
+        return format_table(self)
+
 
 _REPORT = Report()
 
 
-def record_capture(nodes: list[NodeRecord]) -> CaptureRecord:
-    record = CaptureRecord(list(nodes))
+# --- what the capture hooks call -------------------------------------------------------
+def begin_capture(ca_id: int) -> CaptureRecord:
+    record = CaptureRecord(ca_id, time.time_ns() // 1000)
     _REPORT.captures.append(record)
     return record
 
 
+def _function(name: str, kind: str, opaque: bool, reason: str) -> FunctionReport:
+    function = _REPORT.functions.get(name)
+    if function is None or (function.opaque, function.reason) != (opaque, reason):
+        # A function's handling can change (options, policy): the newest wins.
+        function = _REPORT.functions[name] = FunctionReport(name, kind, opaque, reason)
+    return function
+
+
+def _key(function: FunctionReport, key: str, type_: str, handling: str, node_reason: str) -> KeyReport:
+    entry = function.keys.get(key)
+    if entry is None or (entry.type, entry.handling) != (type_, handling):
+        reason, fix = _explain(function.kind, key, type_, handling, node_reason)
+        entry = function.keys[key] = KeyReport(key, function.kind, type_, handling, reason, fix)
+    return entry
+
+
+def cpp_node(
+    capture: CaptureRecord,
+    name: str,
+    opaque: bool,
+    reason: str,
+    saved: dict[str, tuple[str, Any, int | None]],
+) -> None:
+    """A C++ node: ``saved`` maps each saved_data key to (type, value at capture,
+    lifted scalar index or None)."""
+    function = _function(name, "C++", opaque, reason)
+    for key, (type_, value, lifted) in saved.items():
+        if lifted is not None:
+            entry = _key(function, key, type_, DYNAMIC if opaque else STOCK, reason)
+            capture.scalars[lifted] = entry
+        else:
+            entry = _key(function, key, type_, REUSED if opaque else STOCK, reason)
+        entry.see(value)
+    capture.nodes.append(
+        NodeRecord(name, opaque, tuple(saved), tuple(t for t, _, _ in saved.values()), reason)
+    )
+
+
+def python_node(capture: CaptureRecord, name: str, opaque: bool, reason: str, ctx: Any, hook: int) -> None:
+    function = _function(name, "Python", opaque, reason)
+    attributes = {k: v for k, v in vars(ctx).items() if not isinstance(v, torch.Tensor)}
+    for key, value in attributes.items():
+        _key(function, key, type(value).__name__, OPAQUE if opaque else STOCK, reason).see(value)
+    if attributes:
+        capture.hooks[hook] = function
+    capture.nodes.append(
+        NodeRecord(name, opaque, tuple(attributes), tuple(type(v).__name__ for v in attributes.values()), reason)
+    )
+
+
+def _explain(kind: str, key: str, type_: str, handling: str, node_reason: str) -> tuple[str, str]:
+    """(reason, fix) for one key."""
+    scalar = type_ in ("int", "float")
+    if handling == DYNAMIC:
+        return "lifted by CA into the graph's scalars; the opaque op reads it at run time", ""
+    if handling == REUSED:
+        return (
+            "hashed into CA's cache key: each new value is a new capture, whose graph "
+            "shares the compiled code of an equal graph",
+            f"store it as an int to skip the recapture ({_int_form(type_)})",
+        )
+    if handling == OPAQUE:
+        return "read from the real ctx when the backward runs in the opaque op", ""
+    # stock
+    if kind == "C++":
+        if scalar:
+            return (
+                f"the node kept stock tracing ({node_reason}): Dynamo specialises on the "
+                "value toInt()/toDouble() returns, one compile per value",
+                "read ints with toSymInt(), or let the plugin run the node opaque",
+            )
+        return (
+            f"hashed into CA's cache key and the node kept stock tracing ({node_reason}): "
+            "one capture and one compile per value",
+            f"store it as an int ({_int_form(type_)})",
+        )
+    if scalar:
+        return (
+            f"the function kept stock tracing ({node_reason}): Dynamo guards on ctx.{key}",
+            'use python_policy="opaque" and do not exclude the function',
+        )
+    return (
+        f"the function kept stock tracing ({node_reason}): Dynamo guards on ctx.{key}, "
+        "one compile per distinct value",
+        f"if it changes often, save it as an int (ctx.{key} = int(...)): a function "
+        "with an int attribute runs opaque",
+    )
+
+
+def _int_form(type_: str) -> str:
+    return {
+        "bool": "0/1, read with toInt()",
+        "str": "an int code for each string",
+    }.get(type_, "its entries as separate top-level ints, or a tensor")
+
+
+# --- recompiles ----------------------------------------------------------------------
+_GUARD = re.compile(r"\b(?:hooks\[(\d+)\]\.(\w+)|scalars\[(\d+)\])")
+
+
+def _attribute_recompiles(rep: Report) -> None:
+    """Count, for each key, Dynamo's recompiles of CA graphs whose failed guard names it."""
+    for function in rep.functions.values():
+        for key in function.keys.values():
+            key.recompiles = 0
+    for metric in torch._dynamo.utils.get_compilation_metrics():
+        compile_id = str(metric.compile_id or "")
+        reason = (metric.recompile_reason or "").split("\n", 1)[0]
+        if not compile_id.startswith("!") or not reason or metric.fail_reason:
+            continue  # not a CA graph, not a recompile, or a compile that failed
+        ca_id = int(compile_id[1:].split("/", 1)[0])
+        # The newest capture with that id made before this compile: ids restart
+        # with torch._dynamo.reset().
+        candidates = [
+            c for c in rep.captures if c.ca_id == ca_id and c.start_time_us <= (metric.start_time_us or 0)
+        ]
+        if not candidates:
+            continue
+        capture = candidates[-1]
+        match = _GUARD.search(reason.split(":", 1)[-1])
+        if match is None:
+            continue
+        hook, attribute, scalar = match.groups()
+        if scalar is not None and int(scalar) in capture.scalars:
+            capture.scalars[int(scalar)].recompiles += 1
+        elif hook is not None and int(hook) in capture.hooks:
+            key = capture.hooks[int(hook)].keys.get(attribute)
+            if key is not None:
+                key.recompiles += 1
+
+
 def report() -> Report:
-    """The records of every capture made with the plugin since the last reset."""
+    """Every custom function the plugin has seen since the last reset, with its
+    saved keys / ctx attributes, their values, handling, reason and fix."""
+    _attribute_recompiles(_REPORT)
     return _REPORT
 
 
 def reset_report() -> None:
     _REPORT.captures.clear()
+    _REPORT.functions.clear()
+
+
+def format_table(rep: Report) -> str:
+    header = ("function", "key", "type", "handling", "compiles", "values seen")
+    rows = []
+    notes = []
+    for function in rep.functions.values():
+        if not function.keys:
+            rows.append((function.name, "-", "-", "opaque" if function.opaque else "stock", "-", "-"))
+        for key in function.keys.values():
+            values = ", ".join(f"{v:.6g}" if isinstance(v, float) else repr(v) for v in key.values)
+            if key.more_values:
+                values += f", ... (+{key.more_values})"
+            rows.append((function.name, key.key, key.type, key.handling, str(key.compiles), values))
+            notes.append(f"{function.name}.{key.key}: {key.reason}" + (f"; fix: {key.fix}" if key.fix else ""))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines + [""] + notes)

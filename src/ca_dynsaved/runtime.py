@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Sequence
 
 import torch
@@ -26,6 +27,9 @@ from torch._dynamo.utils import counters
 
 from . import opaque, reuse
 from .report import CaptureRecord
+
+
+log = logging.getLogger("ca_dynsaved")
 
 
 def pack(values: Sequence[Any], kinds: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,6 +64,9 @@ def make_runtime_wrapper(
 
     @torch._dynamo.disable
     def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
+        record.observe(scalars, hooks)
+        if not nodes:  # only observed: stock graph, stock run
+            return runtime_wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
         if kinds is not None:
             if len(scalars) != len(kinds):
                 raise RuntimeError(
@@ -71,6 +78,7 @@ def make_runtime_wrapper(
             reuse.name_undefined_outputs(graph_module, nodes)
             fn, record.compiled = reuse.compiled_for(graph_module, compiled_fn, compiler_fn)
             compiled.append(fn)
+            log.info("capture !%d: first run done; %s code", record.ca_id, record.compiled)
         if torch.is_grad_enabled():
             counters["ca_dynsaved"]["create_graph_eager_runs"] += 1
             fn = _Differentiable(graph_module).run_to_list
