@@ -1,0 +1,113 @@
+"""The benchmark model: an MLP (4 hidden layers, width 512, batch 64) with a custom
+autograd function as the activation after each hidden layer (4 nodes a backward).
+
+The activation is ``y = gain * x * sigmoid(beta * x)``, negated when ``flip``, with
+``mode`` choosing sigmoid or tanh gating, in three variants:
+
+* ``cpp``: a C++ function saving beta (double) and gain (int), changing every step;
+* ``python``: a Python ``autograd.Function`` with ``ctx.beta`` / ``ctx.gain``;
+* ``hashed``: the C++ function with flip (bool) and mode (str) cycling through 4
+  combinations, beta and gain fixed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch.utils.cpp_extension import load_inline
+
+BUILD_DIR = Path(__file__).resolve().parent.parent / ".ext_build" / "bench"
+WIDTH, DEPTH, BATCH = 512, 4, 64
+VARIANTS = ("cpp", "python", "hashed")
+
+CPP_SOURCE = r"""
+#include <torch/extension.h>
+using namespace torch::autograd;
+
+struct SchedAct : public Function<SchedAct> {
+  static constexpr bool is_traceable = true;
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor x, double beta, int64_t gain,
+                            bool flip, std::string mode) {
+    ctx->saved_data["beta"] = beta;
+    ctx->saved_data["gain"] = gain;
+    ctx->saved_data["flip"] = flip;
+    ctx->saved_data["mode"] = mode;
+    ctx->save_for_backward({x});
+    auto gate = mode == "tanh" ? 0.5 * (at::tanh(x * beta) + 1) : at::sigmoid(x * beta);
+    return x * gate * static_cast<double>(flip ? -gain : gain);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    double beta = ctx->saved_data["beta"].toDouble();
+    int64_t gain = ctx->saved_data["gain"].toInt();
+    bool flip = ctx->saved_data["flip"].toBool();
+    const std::string& mode = ctx->saved_data["mode"].toStringRef();
+    auto x = ctx->get_saved_variables()[0];
+    at::Tensor gate, dgate;
+    if (mode == "tanh") {
+      auto t = at::tanh(x * beta);
+      gate = 0.5 * (t + 1);
+      dgate = 0.5 * beta * (1 - t * t);
+    } else {
+      gate = at::sigmoid(x * beta);
+      dgate = beta * gate * (1 - gate);
+    }
+    auto dx = (gate + x * dgate) * static_cast<double>(flip ? -gain : gain);
+    return {grad[0] * dx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor sched_act(at::Tensor x, double beta, int64_t gain, bool flip, std::string mode) {
+  return SchedAct::apply(x, beta, gain, flip, mode);
+}
+"""
+
+
+def build_extension() -> ModuleType:
+    os.makedirs(BUILD_DIR, exist_ok=True)
+    return load_inline(
+        name="ca_dynsaved_bench_ext", cpp_sources=CPP_SOURCE, functions=["sched_act"],
+        build_directory=str(BUILD_DIR),
+    )
+
+
+class PyAct(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, beta, gain):
+        ctx.beta, ctx.gain = beta, gain
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x * beta) * gain
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x * ctx.beta)
+        return g * (s + x * ctx.beta * s * (1 - s)) * ctx.gain, None, None
+
+
+def values(variant: str, step: int, varying: bool) -> tuple[float, int, bool, str]:
+    """(beta, gain, flip, mode) of ``step``: fixed unless ``varying``."""
+    if not varying:
+        return 1.0, 1, False, "sigmoid"
+    if variant == "hashed":
+        return 1.0, 1, step % 2 == 1, ("sigmoid", "tanh")[step // 2 % 2]
+    return 1.0 + 0.01 * step, 1 + step % 3, False, "sigmoid"
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, variant: str, ext: ModuleType) -> None:
+        super().__init__()
+        self.variant, self.ext = variant, ext
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
+        self.head = torch.nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor, beta: float, gain: int, flip: bool, mode: str) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+            if self.variant == "python":
+                x = PyAct.apply(x, beta, gain)
+            else:
+                x = self.ext.sched_act(x, beta, gain, flip, mode)
+        return self.head(x).square().mean()
