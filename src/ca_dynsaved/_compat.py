@@ -81,6 +81,59 @@ def swap_enable(fn: Callable[..., Any]) -> Callable[..., Any]:
     return prior
 
 
+def register_config_entry(name: str, default: Any, value_type: type) -> None:
+    """Add ``torch._dynamo.config.<name>``: settable, patchable, saved by save_config.
+    Compile-ignored: the forward graphs do not depend on it, so Dynamo's config
+    hash stays unchanged."""
+    from torch.utils._config_module import _Config, _ConfigEntry
+
+    config = torch._dynamo.config
+    if name not in config._config:
+        config._config[name] = _ConfigEntry(_Config(default=default, value_type=value_type), name)
+        config._compile_ignored_keys.add(name)
+        _mark_config_dirty(config)
+
+
+def unregister_config_entry(name: str) -> None:
+    config = torch._dynamo.config
+    if config._config.pop(name, None) is not None:
+        config._compile_ignored_keys.discard(name)
+        _mark_config_dirty(config)
+
+
+def _mark_config_dirty(config: Any) -> None:
+    # ConfigModule caches get_config_copy()/save_config()/get_hash() per context.
+    config._hash_dirty_var.set(True)
+    config._get_dict_dirty_keys_var.set(None)
+
+
+def is_dynamo_config_compiler(compiler_fn: Any) -> bool:
+    """Whether ``compiler_fn`` is the one Dynamo's config path passes to ``_enable``."""
+    from torch._dynamo.eval_frame import OptimizeContext
+
+    return isinstance(compiler_fn, OptimizeContext)
+
+
+def compilation_metrics() -> list[Any]:
+    """Dynamo's record of each compile (id, recompile reason, failure, start time)."""
+    return torch._dynamo.utils.get_compilation_metrics()
+
+
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing  # noqa: E402
+from torch.utils import _pytree as pytree  # noqa: E402
+
+
+def stock_ca(compiler_fn: Callable[..., Any]) -> Any:
+    """Stock compiled autograd around a block (through the plugin's ``_enable`` hook,
+    so the CA cache changes hands): the baseline of the demo and ``run --compare``."""
+    return ca._enable(compiler_fn)
+
+
+def no_ca() -> Any:
+    """Plain autograd inside a block, even within a CA context: the eager reference."""
+    return ca._disable()
+
+
 def register_torch_log(name: str) -> None:
     """Let ``TORCH_LOGS="+<name>"`` (debug) / ``"<name>"`` (info) control the
     logger ``<name>``, as torch's own logs are controlled."""

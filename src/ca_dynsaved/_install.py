@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils._config_module import _Config, _ConfigEntry
 
 from . import _compat, pyctx
 from .compiler import DynSavedCompilerInstance
@@ -143,27 +142,13 @@ def _enable_hook(
 
 
 def _register_config() -> None:
-    config = torch._dynamo.config
     for name, (default, value_type) in _CONFIG_ENTRIES.items():
-        if name not in config._config:
-            config._config[name] = _ConfigEntry(_Config(default=default, value_type=value_type), name)
-            # Forward graphs do not depend on it: keep Dynamo's config hash unchanged.
-            config._compile_ignored_keys.add(name)
-    _mark_config_dirty(config)
+        _compat.register_config_entry(name, default, value_type)
 
 
 def _unregister_config() -> None:
-    config = torch._dynamo.config
     for name in _CONFIG_ENTRIES:
-        if config._config.pop(name, None) is not None:
-            config._compile_ignored_keys.discard(name)
-    _mark_config_dirty(config)
-
-
-def _mark_config_dirty(config: Any) -> None:
-    # ConfigModule caches get_config_copy()/save_config() per context.
-    config._hash_dirty_var.set(True)
-    config._get_dict_dirty_keys_var.set(None)
+        _compat.unregister_config_entry(name)
 
 
 def install() -> None:

@@ -27,13 +27,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.utils._pytree as pytree
-from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
-from . import _compat, opaque, pyctx, runtime
-from . import report
+from . import _compat, opaque, pyctx, report, runtime
 
-_disable = torch._dynamo.disable
+_disable = torch.compiler.disable
 #: TORCH_LOGS="ca_dynsaved" shows what the plugin did with each capture; "+ca_dynsaved"
 #: adds the captured graph.
 log = logging.getLogger("ca_dynsaved")
@@ -72,7 +69,7 @@ class _Captured:
 def _is_hashed_constant(value: Any) -> bool:
     return not any(
         isinstance(leaf, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool))
-        for leaf in pytree.tree_leaves(value)
+        for leaf in _compat.pytree.tree_leaves(value)
     )
 
 
@@ -134,7 +131,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         if self._excluded(name):
             self._report_cpp(name, _EXCLUDED, args)
             return stock()
-        with disable_proxy_modes_tracing():
+        with _compat.disable_proxy_modes_tracing():
             dummies = [self.allocate_dummy() for _ in output_metadata]
         self._pending = _PendingCall(
             name=name,
@@ -171,7 +168,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             return stock()
         # One metadata per forward input, None where the input was not a tensor;
         # C++ keeps the backward's outputs at the tensor positions only.
-        with disable_proxy_modes_tracing():
+        with _compat.disable_proxy_modes_tracing():
             dummies = [None if m is None else self.allocate_dummy() for m in output_metadatas]
         self._pending = _PendingCall(
             name=name,
@@ -229,7 +226,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
                 else:
                     slots.append(value)
             call_args = (keys, *slots, *rest)
-        leaves, treedef = pytree.tree_flatten((call_args, meta))
+        leaves, treedef = _compat.pytree.tree_flatten((call_args, meta))
         specs: list[tuple[str, Any]] = []
         tensors: list[Any] = []
         symints: list[Any] = []

@@ -20,6 +20,8 @@ from typing import Callable
 import torch
 from torch._dynamo.utils import counters
 
+from . import _compat
+
 CPP_SOURCE = r"""
 #include <torch/extension.h>
 using namespace torch::autograd;
@@ -94,7 +96,7 @@ def _train(act: Callable[..., torch.Tensor], steps: int, ctx: Callable[[], objec
         with ctx():
             loss().backward()
         got = [p.grad.clone() for p in (*lin1.parameters(), *lin2.parameters())]
-        with torch._dynamo.compiled_autograd._disable():
+        with _compat.no_ca():
             want = torch.autograd.grad(loss(), [*lin1.parameters(), *lin2.parameters()])
         grads_equal &= all(torch.allclose(g, w, rtol=1e-4, atol=1e-5) for g, w in zip(got, want))
     seconds = time.perf_counter() - start
@@ -115,7 +117,7 @@ def run_demo(backend: str, steps: int, build_dir: str | os.PathLike[str]) -> dic
     ca_dynsaved.reset_report()
 
     def stock() -> object:
-        return torch._dynamo.compiled_autograd._enable(lambda gm: torch.compile(gm, backend=backend))
+        return _compat.stock_ca(lambda gm: torch.compile(gm, backend=backend))
 
     def plugin() -> object:
         return ca_dynsaved.enable(backend=backend)

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 
 from . import _compat
 
@@ -44,7 +43,7 @@ class NodeSpec:
     """The structure of one custom-function call: what the compiled graph depends on."""
 
     name: str  # node name, for messages
-    treedef: pytree.TreeSpec  # structure of (call args, output metadata)
+    treedef: _compat.pytree.TreeSpec  # structure of (call args, output metadata)
     leaves: tuple[tuple[str, Any], ...]  # (kind, constant or slot index)
     out_defined: tuple[bool, ...]  # False where the next edge is invalid (no grad needed)
 
@@ -100,16 +99,16 @@ def _rebuild(spec: NodeSpec, tensors, ints, floats, symints, captured) -> tuple[
 _SLOT_NAMES = {TENSOR: "t", INT: "i", FLOAT: "f", SYMINT: "s", CAPTURED: "k"}
 
 
-def _builder(treedef: pytree.TreeSpec, leaves: Sequence[tuple[str, Any]]) -> Callable[..., Any]:
+def _builder(treedef: _compat.pytree.TreeSpec, leaves: Sequence[tuple[str, Any]]) -> Callable[..., Any]:
     """A function rebuilding (call args, output metadata) from this call's values.
 
     It runs on every backward of every opaque node, so instead of walking the
     treedef (pytree.tree_unflatten) it is one generated expression, as FX does for
-    graphs; structures other than tuples, lists and dicts fall back to pytree."""
+    graphs; structures other than tuples, lists and dicts fall back to _compat.pytree."""
     consts: list[Any] = []
     it = iter(leaves)
 
-    def expr(spec: pytree.TreeSpec) -> str:
+    def expr(spec: _compat.pytree.TreeSpec) -> str:
         if spec.is_leaf():
             kind, payload = next(it)
             if kind is CONST:
@@ -132,7 +131,7 @@ def _builder(treedef: pytree.TreeSpec, leaves: Sequence[tuple[str, Any]]) -> Cal
         source = f"lambda t, i, f, s, k: {expr(treedef)}"
     except NotImplementedError:
         slots = {TENSOR: 0, INT: 1, FLOAT: 2, SYMINT: 3, CAPTURED: 4}
-        return lambda *values: pytree.tree_unflatten(
+        return lambda *values: _compat.pytree.tree_unflatten(
             [p if kind is CONST else values[slots[kind]][p] for kind, p in leaves], treedef
         )
     return eval(source, {"c": consts})  # noqa: S307 - our own generated expression
@@ -166,7 +165,7 @@ class UndefinedGradError(RuntimeError):
     """A backward left a different set of gradients undefined than the graph expects."""
 
 
-@torch._dynamo.disable
+@torch.compiler.disable
 def run_cpp(grads, tensors, ints, floats, symints, key, slot):  # type: ignore[no-untyped-def]
     # Excluded from Dynamo: this runs inside backward, which may run inside a
     # compiled frame, and a traced copy would freeze the saved values it read.
@@ -181,7 +180,7 @@ def run_cpp(grads, tensors, ints, floats, symints, key, slot):  # type: ignore[n
     )
 
 
-@torch._dynamo.disable
+@torch.compiler.disable
 def run_python(grads, saved, symints, key, slot, hook):  # type: ignore[no-untyped-def]
     spec, compiled_defined = _parse_key(key)
     hooks, nodes = _bound(spec)

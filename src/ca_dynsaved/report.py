@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from . import _compat
+
 #: Distinct values kept per key; more are counted, not stored.
 MAX_VALUES = 8
 
@@ -246,7 +248,7 @@ def _attribute_recompiles(rep: Report) -> None:
     for function in rep.functions.values():
         for key in function.keys.values():
             key.recompiles = 0
-    for metric in torch._dynamo.utils.get_compilation_metrics():
+    for metric in _compat.compilation_metrics():
         compile_id = str(metric.compile_id or "")
         reason = (metric.recompile_reason or "").split("\n", 1)[0]
         if not compile_id.startswith("!") or not reason or metric.fail_reason:

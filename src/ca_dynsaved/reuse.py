@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from torch._dynamo.utils import counters
 
-from . import opaque
+from . import _compat, opaque
 
 #: Most compiled functions kept; the least recently used goes first.
 MAX_ENTRIES = 64
@@ -38,13 +38,11 @@ _CACHE: OrderedDict[tuple[str, Any], Callable[..., Any]] = OrderedDict()
 
 
 def compiler_tag(compiler_fn: Any) -> Any:
-    from torch._dynamo.eval_frame import OptimizeContext
-
     from .enable import TorchCompile
 
     if isinstance(compiler_fn, TorchCompile):
         return compiler_fn
-    if isinstance(compiler_fn, OptimizeContext):
+    if _compat.is_dynamo_config_compiler(compiler_fn):
         return ("dynamo config path", compiler_fn.fullgraph)
     return compiler_fn
 

@@ -40,6 +40,7 @@ def _ca_context(mode: str, backend: str) -> Any:
     import torch
 
     import ca_dynsaved
+    from ca_dynsaved import _compat
 
     flags = {"compiled_autograd": True, ca_dynsaved.CONFIG_FLAG: mode == PLUGIN}
     stack = contextlib.ExitStack()
@@ -47,9 +48,7 @@ def _ca_context(mode: str, backend: str) -> Any:
     if mode == PLUGIN:
         stack.enter_context(ca_dynsaved.enable(backend=backend))
     else:
-        stack.enter_context(
-            torch._dynamo.compiled_autograd._enable(lambda gm: torch.compile(gm, backend=backend))
-        )
+        stack.enter_context(_compat.stock_ca(lambda gm: torch.compile(gm, backend=backend)))
     return stack
 
 

@@ -69,7 +69,7 @@ def make_runtime_wrapper(
     kinds = None if kinds is None else tuple(kinds)
     compiled: list[Callable[..., Any]] = []  # set once every node has run
 
-    @torch._dynamo.disable
+    @torch.compiler.disable
     def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
         record.observe(scalars, hooks)
         if not nodes:  # only observed: stock graph, stock run
