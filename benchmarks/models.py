@@ -19,7 +19,8 @@ from types import ModuleType
 import torch
 from torch.utils.cpp_extension import load_inline
 
-BUILD_DIR = Path(__file__).resolve().parent.parent / ".ext_build" / "bench"
+# One build per torch release: load_inline reuses a build by source hash alone.
+BUILD_DIR = Path(__file__).resolve().parent.parent / ".ext_build" / f"torch-{torch.__version__}" / "bench"
 WIDTH, DEPTH, BATCH = 512, 4, 64
 VARIANTS = ("cpp", "python", "hashed")
 

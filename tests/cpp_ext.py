@@ -11,9 +11,11 @@ import os
 from pathlib import Path
 from types import ModuleType
 
+import torch
 from torch.utils.cpp_extension import load_inline
 
-BUILD_DIR = Path(__file__).resolve().parent.parent / ".ext_build"
+# One build per torch release: load_inline reuses a build by source hash alone.
+BUILD_DIR = Path(__file__).resolve().parent.parent / ".ext_build" / f"torch-{torch.__version__}"
 
 CPP_SOURCE = r"""
 #include <torch/extension.h>

@@ -10,12 +10,12 @@ import pytest
 from ca_dynsaved import _compat
 
 
-@pytest.mark.parametrize("version", ["2.13.0", "2.13.0+cpu", "2.13.1"])
+@pytest.mark.parametrize("version", ["2.13.0", "2.13.0+cpu", "2.13.1", "2.14.1+cu130"])
 def test_tested_release_accepted(version):
     _compat.check_torch_version(version)
 
 
-@pytest.mark.parametrize("version", ["2.12.1", "2.14.1+cu128", "3.0.0"])
+@pytest.mark.parametrize("version", ["2.12.1", "2.15.0+cu128", "3.0.0"])
 def test_untested_release_refused(version):
     with pytest.raises(_compat.UnsupportedTorchError, match=f"found torch {version.replace('+', '[+]')}"):
         _compat.check_torch_version(version)
@@ -34,5 +34,5 @@ def test_import_on_untested_torch_fails_clearly():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     lines = out.stdout.splitlines()
-    assert lines[0].startswith("UnsupportedTorchError ca_dynsaved supports torch 2.13, found torch 2.99.0")
+    assert lines[0].startswith("UnsupportedTorchError ca_dynsaved supports torch 2.13, 2.14, found torch 2.99.0")
     assert lines[1] == "untouched"

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument(
         "--build-dir",
-        default=str(Path.home() / ".cache" / "ca_dynsaved" / "demo_ext"),
+        default=str(Path.home() / ".cache" / "ca_dynsaved" / f"demo_ext-torch-{torch.__version__}"),
         help="where the C++ extension is built (reused when unchanged)",
     )
     args = parser.parse_args(argv)
