@@ -176,3 +176,16 @@ def test_run_reports_a_failing_script(tmp_path):
     assert out.returncode == 1
     assert "ValueError: boom" in out.stderr and "exited with code 1" in out.stderr
     assert _run_cli(str(tmp_path / "missing.py")).returncode == 2
+
+
+def test_values_seen_are_distinct_and_bounded():
+    from ca_dynsaved.report import MAX_COUNTED, MAX_VALUES, KeyReport
+
+    key = KeyReport("k", "C++", "int", "dynamic", "", "")
+    for _ in range(3):
+        for v in range(20):
+            key.see(v)
+    assert (key.values, key.more_values) == (list(range(MAX_VALUES)), 20 - MAX_VALUES)
+    for v in range(5 * MAX_COUNTED):
+        key.see(v)
+    assert key.more_values == MAX_COUNTED

@@ -16,26 +16,35 @@ Three entry points, one behaviour::
 from __future__ import annotations
 
 from . import _compat  # noqa: F401  (version check first)
-from ._install import CONFIG_FLAG, CONFIG_PYTHON_POLICY, install, uninstall
-from .enable import enable
-from .report import report, reset_report
+
+import torch  # noqa: E402
+
+from . import opaque, reuse  # noqa: E402
+from ._install import CONFIG_FLAG, CONFIG_PYTHON_POLICY, install, uninstall  # noqa: E402
+from .enable import enable  # noqa: E402
+from .report import report, reset_report  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = [
+    "enable",
+    "report",
+    "reset",
+    "reset_report",
+    "CONFIG_FLAG",
+    "CONFIG_PYTHON_POLICY",
+    "install",
+    "uninstall",
+]
 
 
 def reset() -> None:
     """Return to a fresh process's state: ``torch._dynamo.reset()`` (which drops
     every cached CA graph), then the plugin's registry, compiled-graph cache and
     report."""
-    import torch
-
-    from . import opaque, reuse
-
     torch._dynamo.reset()
     opaque.clear()
     reuse.clear()
     reset_report()
 
-__version__ = "0.1.0"
 
 install()
-
-__all__ = ["enable", "report", "reset", "reset_report", "CONFIG_FLAG", "CONFIG_PYTHON_POLICY", "install", "uninstall"]

@@ -30,10 +30,7 @@ def stock_reason(ctx: Any, policy: str, backward_state_idx: Any, opaque_object_i
     """Why this Python node keeps stock behaviour, or None to run it opaque."""
     if policy == STOCK:
         return 'python_policy="stock"'
-    cls = ctx._forward_cls
-    if hasattr(cls, "_aot_id"):
-        return "a compiled (AOT) backward, traced into the CA graph by torch itself"
-    if getattr(cls, "boxed_grads_call", False):
+    if getattr(ctx._forward_cls, "boxed_grads_call", False):
         return "boxed_grads_call, which CA does not support"
     if backward_state_idx is not None or opaque_object_indices:
         return "it uses a BackwardState or opaque objects"

@@ -19,8 +19,9 @@ import torch
 
 from . import _compat
 
-#: Distinct values kept per key; more are counted, not stored.
+#: Distinct values kept per key; more are counted (up to MAX_COUNTED), not kept.
 MAX_VALUES = 8
+MAX_COUNTED = 1024
 
 DYNAMIC, OPAQUE, REUSED, STOCK = "dynamic", "opaque", "reused", "stock"
 
@@ -36,8 +37,9 @@ class KeyReport:
     reason: str
     fix: str
     values: list[Any] = field(default_factory=list)  # distinct values seen, first MAX_VALUES
-    more_values: int = 0  # distinct values seen beyond those
+    more_values: int = 0  # distinct values seen beyond those (counted up to MAX_COUNTED)
     recompiles: int = 0  # Dynamo recompiles of CA graphs whose failed guard names it
+    _more: set[str] = field(default_factory=set, repr=False, compare=False)
 
     @property
     def compiles(self) -> int:
@@ -52,8 +54,9 @@ class KeyReport:
             return
         if len(self.values) < MAX_VALUES:
             self.values.append(value)
-        else:
-            self.more_values += 1  # an upper bound: values past the cap are not compared
+        elif len(self._more) < MAX_COUNTED:
+            self._more.add(repr(value))
+            self.more_values = len(self._more)
 
 
 @dataclass
@@ -117,7 +120,7 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         return {
             "functions": [
-                asdict(f) | {"keys": [asdict(k) | {"compiles": k.compiles} for k in f.keys.values()]}
+                asdict(f) | {"keys": [_key_dict(k) for k in f.keys.values()]}
                 for f in self.functions.values()
             ],
             "captures": [
@@ -131,6 +134,12 @@ class Report:
 
     def __str__(self) -> str:
         return format_table(self)
+
+
+def _key_dict(key: KeyReport) -> dict[str, Any]:
+    data = asdict(key) | {"compiles": key.compiles}
+    del data["_more"]
+    return data
 
 
 _REPORT = Report()
