@@ -256,10 +256,6 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         counters = _compat.counters["ca_dynsaved"]
         grads = self.to_proxy(pending.grads)
         if pending.fn is not None:
-            kinds = [self._lifted[v.node][0] for v in values if _is_symbolic(v) and v.node in self._lifted]
-            counters["lifted_ints"] += kinds.count(opaque.INT)
-            counters["lifted_floats"] += kinds.count(opaque.FLOAT)
-            counters["hashed_values"] += len(captured)
             self._report_cpp(pending.name, "", pending.args)
             op_args = (grads, tensors, *self._packed_scalar_proxies(), symints, key, slot)
             op = opaque.CPP_OP
@@ -293,8 +289,15 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             elif _is_hashed_constant(value):
                 saved[key] = (type(value).__name__, value, None)
         report.cpp_node(self._capture, name, not stock_reason, stock_reason, saved)
+        counters = _compat.counters["ca_dynsaved"]
         if stock_reason:
-            _compat.counters["ca_dynsaved"]["stock_nodes"] += 1
+            counters["stock_nodes"] += 1
+            return
+        for type_, _, lifted in saved.values():
+            if lifted is not None:
+                counters["lifted_ints" if type_ == opaque.INT else "lifted_floats"] += 1
+            else:
+                counters["hashed_values"] += 1
 
     def create_graph_module(self, id: str) -> torch.fx.GraphModule:  # type: ignore[override]
         self._graph_module = super().create_graph_module(id)
