@@ -150,6 +150,42 @@ struct SkipFn : public Function<SkipFn<TRACE>> {
   }
 };
 
+// Raises from backward for some saved values (TORCH_CHECK_VALUE: a Python ValueError).
+template <bool TRACE>
+struct ThrowFn : public Function<ThrowFn<TRACE>> {
+  static constexpr bool is_traceable = TRACE;
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor x, int64_t k) {
+    ctx->saved_data["k"] = k;
+    return x * static_cast<double>(k);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    auto k = ctx->saved_data["k"].toInt();
+    TORCH_CHECK_VALUE(k % 3 != 2, "ThrowFn backward refuses k=", k);
+    return {g[0] * static_cast<double>(k), at::Tensor()};
+  }
+};
+
+// Matmuls in backward: autocast changes their precision.
+template <bool TRACE>
+struct MatFn : public Function<MatFn<TRACE>> {
+  static constexpr bool is_traceable = TRACE;
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor x, at::Tensor w, double s) {
+    ctx->saved_data["s"] = s;
+    ctx->save_for_backward({x, w});
+    return x.mm(w) * s;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    auto s = ctx->saved_data["s"].toDouble();
+    auto saved = ctx->get_saved_variables();
+    auto gs = g[0] * s;
+    return {gs.mm(saved[1].t()), saved[0].t().mm(gs), at::Tensor()};
+  }
+};
+
+at::Tensor throw_traceable(at::Tensor x, int64_t k) { return ThrowFn<true>::apply(x, k); }
+at::Tensor throw_opaque(at::Tensor x, int64_t k) { return ThrowFn<false>::apply(x, k); }
+at::Tensor mat_traceable(at::Tensor x, at::Tensor w, double s) { return MatFn<true>::apply(x, w, s); }
+at::Tensor mat_opaque(at::Tensor x, at::Tensor w, double s) { return MatFn<false>::apply(x, w, s); }
 at::Tensor skip_traceable(at::Tensor x, bool skip, int64_t k) { return SkipFn<true>::apply(x, skip, k); }
 at::Tensor skip_opaque(at::Tensor x, bool skip, int64_t k) { return SkipFn<false>::apply(x, skip, k); }
 at::Tensor config_traceable(at::Tensor x, bool flip, std::string mode, std::vector<int64_t> dims,
@@ -197,6 +233,10 @@ FUNCTIONS = [
     "split_opaque",
     "skip_traceable",
     "skip_opaque",
+    "throw_traceable",
+    "throw_opaque",
+    "mat_traceable",
+    "mat_opaque",
 ]
 
 

@@ -40,12 +40,36 @@ def stock_enable(backend: str = "aot_eager", fullgraph: bool = False) -> Any:
     )
 
 
-def assert_grads_equal(got: Iterable[Any], want: Iterable[Any]) -> None:
+def assert_grads_equal(got: Iterable[Any], want: Iterable[Any], equal_nan: bool = False) -> None:
     for g, w in zip(got, want, strict=True):
         if w is None:
             assert g is None
         else:
-            torch.testing.assert_close(g, w)
+            torch.testing.assert_close(g, w, equal_nan=equal_nan)
+
+
+def patched_state() -> tuple[Any, ...]:
+    """Everything the plugin patches or CA keeps globally, to compare before/after."""
+    import torch._dynamo.compiled_autograd as ca
+
+    from ca_dynsaved import _install
+
+    compiler = torch._C._dynamo.compiled_autograd.set_autograd_compiler(None, False)
+    torch._C._dynamo.compiled_autograd.set_autograd_compiler(*compiler)  # a read, undone
+    config = torch._dynamo.config
+    return (
+        ca._enable,
+        ca.AutogradCompilerInstance,
+        ca.compiled_autograd_enabled,
+        ca.in_compiled_autograd_region,
+        ca.active_disable_ctx,
+        ca.depth,
+        compiler,
+        config.compiled_autograd,
+        getattr(config, ca_dynsaved.CONFIG_FLAG, "absent"),
+        getattr(config, ca_dynsaved.CONFIG_PYTHON_POLICY, "absent"),
+        tuple(_install._modes),
+    )
 
 
 def run_loop(

@@ -19,6 +19,7 @@ from helpers import (
     counts,
     entry_point,
     frame_breaks,
+    patched_state,
     run_loop,
     scale_args,
     stock_enable,
@@ -38,14 +39,6 @@ def _eager_grad(ext, i):
     return x.grad
 
 
-def _stock_state():
-    return (
-        ca._enable,
-        ca.AutogradCompilerInstance,
-        ca.compiled_autograd_enabled,
-        ca.depth,
-        torch._C._dynamo.compiled_autograd.set_autograd_compiler(None, False),
-    )
 
 
 @pytest.mark.parametrize("kind", ENTRY_POINTS)
@@ -129,18 +122,18 @@ def test_stock_behaviour_returns_after_the_context(ext):
 
 
 def test_state_restored_exactly_after_exit(ext):
-    before = _stock_state()
+    before = patched_state()
     ctx = ca_dynsaved.enable(backend="aot_eager")
     with ctx:
         with ctx:  # re-entry of one object
             with ca_dynsaved.enable(backend="aot_eager"):  # nesting
                 _, loss = _forward(ext, 0)
                 loss.backward()
-    assert _stock_state() == before
+    assert patched_state() == before
     with pytest.raises(ZeroDivisionError):
         with ca_dynsaved.enable(backend="aot_eager"):
             1 / 0
-    assert _stock_state() == before
+    assert patched_state() == before
     assert _install._modes == []
 
 
@@ -156,10 +149,10 @@ def test_decorator_reentry(ext):
         calls.append(i)
         return x.grad
 
-    before = _stock_state()
+    before = patched_state()
     for i in range(3):
         assert_grads_equal([train_step(i, 2)], [_eager_grad(ext, i)])
-    assert _stock_state() == before
+    assert patched_state() == before
     assert len(calls) == 9
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
 

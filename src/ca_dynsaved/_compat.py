@@ -41,14 +41,32 @@ check_torch_version()
 import torch._dynamo.compiled_autograd as ca  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
-_missing = [
-    name
-    for name in ("AutogradCompilerInstance", "_enable", "ops", "_graph_placeholders")
-    if not hasattr(ca, name)
-]
-if _missing:  # pragma: no cover - depends on the installed torch
+#: What the plugin uses of torch._dynamo.compiled_autograd, and of the capture class
+#: (C++ calls the hooks by name; compiler.py overrides and calls them).
+REQUIRED_CA_NAMES = ("AutogradCompilerInstance", "_enable", "_disable", "ops", "active_disable_ctx")
+REQUIRED_CAPTURE_METHODS = (
+    "begin_capture", "bind_function", "apply_functional", "proxy_call_backward",
+    "validate_outputs", "end_capture", "create_graph_module", "allocate_dummy",
+    "to_proxy", "bind_objects_to_proxies",
+)
+
+
+def missing_internals() -> list[str]:
+    """The names above that this torch lacks."""
+    missing = [name for name in REQUIRED_CA_NAMES if not hasattr(ca, name)]
+    capture = getattr(ca, "AutogradCompilerInstance", None)
+    missing += [
+        f"AutogradCompilerInstance.{name}"
+        for name in REQUIRED_CAPTURE_METHODS
+        if capture is not None and not callable(getattr(capture, name, None))
+    ]
+    return missing
+
+
+if missing_internals():
     raise UnsupportedTorchError(
-        f"torch {torch.__version__}: torch._dynamo.compiled_autograd lacks {_missing}"
+        f"ca_dynsaved: torch {torch.__version__} lacks compiled-autograd internals the "
+        f"plugin relies on: {', '.join(missing_internals())}; nothing was patched."
     )
 
 #: The stock capture class; the plugin subclasses it.
@@ -153,6 +171,30 @@ def call_backward(ctx: Any, saved_tensors: list[Any], *grads: Any) -> tuple[Any,
     from torch._dynamo.external_utils import call_backward
 
     return call_backward(ctx, saved_tensors, *grads)
+
+
+# Device types autocast can be enabled for (a privateuse1 backend under its own name).
+_AUTOCAST_DEVICES = tuple(
+    device
+    for device in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", torch._C._get_privateuse1_backend_name())
+    if torch.amp.autocast_mode.is_autocast_available(device)
+)
+
+#: The autocast state of the calling thread: ((device type, dtype), ...) for every
+#: device type autocast is enabled for, and whether its cast cache is on.
+AutocastState = tuple[tuple[tuple[str, torch.dtype], ...], bool]
+
+
+def autocast_state() -> AutocastState | None:
+    """The caller's autocast state, None when autocast is off (the common case)."""
+    if not torch._C._is_any_autocast_enabled():
+        return None
+    enabled = tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in _AUTOCAST_DEVICES
+        if torch.is_autocast_enabled(device)
+    )
+    return enabled, torch.is_autocast_cache_enabled()
 
 
 def validate_outputs_fn() -> Callable[..., Any]:

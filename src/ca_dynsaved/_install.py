@@ -53,12 +53,12 @@ STOCK = Mode(plugin=False)
 
 def plugin_mode(exclude: frozenset[str] = frozenset(), python_policy: str | None = None) -> Mode:
     """The plugin with these options; ``python_policy=None`` reads the config entry."""
-    if python_policy is None:
-        python_policy = getattr(torch._dynamo.config, CONFIG_PYTHON_POLICY)
+    if python_policy is None:  # the entry is gone after uninstall(): its default
+        python_policy = getattr(torch._dynamo.config, CONFIG_PYTHON_POLICY, pyctx.OPAQUE)
     return Mode(True, frozenset(exclude), pyctx.check_policy(python_policy))
 
 
-_lock = threading.RLock()
+_lock = threading.RLock()  # held by the thread with open CA contexts (ca_context)
 _modes: list[Mode] = []  # one per open CA context; CA's compiler is process-global
 _cache_mode: list[Mode | None] = [None]  # the mode whose captures fill the C++ CA cache
 
@@ -103,30 +103,34 @@ def ca_context(
         with _compat.stock_enable(compiler_fn, dynamic, ignore_active_disable_ctx):
             yield
         return
-    if mode is None:
-        if _modes and _modes[-1].plugin:
-            mode = _modes[-1]
-        else:
-            mode = plugin_mode() if _flag_on() else STOCK
+    # CA's compiler is process-global and ``_enable`` restores it last-in first-out:
+    # two threads whose contexts interleave would leave the wrong one installed (stock
+    # CA fails there with "Nested Compiled Autograd Contexts must return before their
+    # parent context"). So a CA context holds this re-entrant lock until it exits: the
+    # contexts of two threads run one after the other (the same thread re-enters).
     with _lock:
+        if mode is None:
+            if _modes and _modes[-1].plugin:
+                mode = _modes[-1]
+            else:
+                mode = plugin_mode() if _flag_on() else STOCK
         _own_cache(mode)
         _modes.append(mode)
-    try:
-        with contextlib.ExitStack() as stack:
-            cm = _compat.stock_enable(compiler_fn, dynamic, ignore_active_disable_ctx)
-            if mode.plugin:
-                factory = functools.partial(
-                    DynSavedCompilerInstance,
-                    exclude=mode.exclude,
-                    python_policy=mode.python_policy,
-                )
-                with _instance_class(factory):  # type: ignore[arg-type]
+        try:
+            with contextlib.ExitStack() as stack:
+                cm = _compat.stock_enable(compiler_fn, dynamic, ignore_active_disable_ctx)
+                if mode.plugin:
+                    factory = functools.partial(
+                        DynSavedCompilerInstance,
+                        exclude=mode.exclude,
+                        python_policy=mode.python_policy,
+                    )
+                    with _instance_class(factory):  # type: ignore[arg-type]
+                        stack.enter_context(cm)
+                else:
                     stack.enter_context(cm)
-            else:
-                stack.enter_context(cm)
-            yield
-    finally:
-        with _lock:
+                yield
+        finally:
             _modes.pop()
             if _modes:
                 _own_cache(_modes[-1])

@@ -141,23 +141,52 @@ def _builder(treedef: _compat.pytree.TreeSpec, leaves: Sequence[tuple[str, Any]]
 _local = threading.local()
 
 
+@dataclass(frozen=True)
+class _Run:
+    """What one run of a CA graph binds for its opaque ops (see ``bound_run``)."""
+
+    hooks: Sequence[Any]  # CA's hooks of this run: the Python ctx objects
+    nodes: Sequence[NodeCapture]  # the capture's nodes, by slot
+    autocast: _compat.AutocastState | None  # the caller's autocast state
+
+
 @contextlib.contextmanager
 def bound_run(hooks: Sequence[Any], nodes: Sequence[NodeCapture]) -> Iterator[None]:
-    """Make this run's CA ``hooks`` (holding the Python ctx objects) and the
-    capture's nodes visible to the ops: a custom op takes no Python objects."""
+    """Make this run's CA ``hooks`` (holding the Python ctx objects), the capture's
+    nodes and the caller's autocast state visible to the ops: a custom op takes no
+    Python objects, and runs where autocast may have been switched off (below)."""
     prior = getattr(_local, "run", None)
-    _local.run = (hooks, nodes)
+    _local.run = _Run(hooks, nodes, _compat.autocast_state())
     try:
         yield
     finally:
         _local.run = prior
 
 
-def _bound(spec: NodeSpec) -> tuple[Sequence[Any], Sequence[NodeCapture]]:
+def _bound(spec: NodeSpec) -> _Run:
     run = getattr(_local, "run", None)
     if run is None:
         raise RuntimeError(f"ca_dynsaved: {spec.name} run outside the runtime wrapper of its CA graph")
     return run
+
+
+@contextlib.contextmanager
+def _caller_autocast(state: _compat.AutocastState | None) -> Iterator[None]:
+    """Run a backward under the autocast state of the code that called backward.
+
+    Eager's engine runs a custom backward under its caller's autocast state.
+    AOTAutograd runs a compiled graph under ``torch._C._DisableAutocast`` (autocast
+    is already baked into the ops it traced), but an opaque op's backward was never
+    traced: without this its matmuls would run in float32 where eager's run in
+    bfloat16."""
+    if state is None:
+        yield
+        return
+    devices, cache_enabled = state
+    with contextlib.ExitStack() as stack:
+        for device, dtype in devices:
+            stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache_enabled))
+        yield
 
 
 # --- real impls ----------------------------------------------------------------------
@@ -170,10 +199,12 @@ def run_cpp(grads, tensors, ints, floats, symints, key, slot):  # type: ignore[n
     # Excluded from Dynamo: this runs inside backward, which may run inside a
     # compiled frame, and a traced copy would freeze the saved values it read.
     spec, compiled_defined = _parse_key(key)
-    node = _bound(spec)[1][slot]
+    run = _bound(spec)
+    node = run.nodes[slot]
     int_values, float_values = ints.tolist(), floats.tolist()
     args, out_meta = _rebuild(spec, tensors, int_values, float_values, symints, node.captured)
-    outs = node.fn(list(grads), *args)  # type: ignore[misc]
+    with _caller_autocast(run.autocast):
+        outs = node.fn(list(grads), *args)  # type: ignore[misc]
     return _finish(
         spec, node, compiled_defined, outs, out_meta, (*grads, *tensors),
         lambda: f"saved ints {int_values}, floats {float_values}, hashed {node.captured}",
@@ -183,10 +214,11 @@ def run_cpp(grads, tensors, ints, floats, symints, key, slot):  # type: ignore[n
 @torch.compiler.disable
 def run_python(grads, saved, symints, key, slot, hook):  # type: ignore[no-untyped-def]
     spec, compiled_defined = _parse_key(key)
-    hooks, nodes = _bound(spec)
-    node, ctx = nodes[slot], hooks[hook]
+    run = _bound(spec)
+    node, ctx = run.nodes[slot], run.hooks[hook]
     (positions,), out_meta = _rebuild(spec, saved, (), (), symints, node.captured)
-    outs = _compat.call_backward(ctx, list(saved), *grads)
+    with _caller_autocast(run.autocast):
+        outs = _compat.call_backward(ctx, list(saved), *grads)
     for i, out in enumerate(outs):
         if out is not None and i not in positions:
             # The engine's own error for this case.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,6 +23,9 @@ from . import _compat
 #: Distinct values kept per key; more are counted (up to MAX_COUNTED), not kept.
 MAX_VALUES = 8
 MAX_COUNTED = 1024
+#: Captures kept (the newest): a bool or str saved value that is new at every step
+#: makes a capture per step.
+MAX_CAPTURES = 256
 
 DYNAMIC, OPAQUE, REUSED, STOCK = "dynamic", "opaque", "reused", "stock"
 
@@ -50,13 +54,25 @@ class KeyReport:
         return 1 + self.recompiles if guarded else 0
 
     def see(self, value: Any) -> None:
-        if value in self.values:
+        if any(_same(seen, value) for seen in self.values):
             return
         if len(self.values) < MAX_VALUES:
             self.values.append(value)
         elif len(self._more) < MAX_COUNTED:
             self._more.add(repr(value))
             self.more_values = len(self._more)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values for the report; never raises (an array's ``==`` is no bool)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b) or bool(a != a and b != b)  # NaN is NaN
+    except Exception:
+        return False
 
 
 @dataclass
@@ -110,8 +126,9 @@ class CaptureRecord:
 
 @dataclass
 class Report:
-    captures: list[CaptureRecord] = field(default_factory=list)
+    captures: deque[CaptureRecord] = field(default_factory=lambda: deque(maxlen=MAX_CAPTURES))
     functions: dict[str, FunctionReport] = field(default_factory=dict)
+    dropped_captures: int = 0  # older captures than those kept
 
     @property
     def nodes(self) -> list[NodeRecord]:
@@ -127,6 +144,7 @@ class Report:
                 {"ca_id": c.ca_id, "compiled": c.compiled, "nodes": [asdict(n) for n in c.nodes]}
                 for c in self.captures
             ],
+            "dropped_captures": self.dropped_captures,
         }
 
     def to_json(self) -> str:
@@ -148,6 +166,8 @@ _REPORT = Report()
 # --- what the capture hooks call -------------------------------------------------------
 def begin_capture(ca_id: int) -> CaptureRecord:
     record = CaptureRecord(ca_id, time.time_ns() // 1000)
+    if len(_REPORT.captures) == _REPORT.captures.maxlen:
+        _REPORT.dropped_captures += 1
     _REPORT.captures.append(record)
     return record
 
@@ -291,6 +311,7 @@ def report() -> Report:
 
 
 def reset_report() -> None:
+    _REPORT.dropped_captures = 0
     _REPORT.captures.clear()
     _REPORT.functions.clear()
 
