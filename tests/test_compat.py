@@ -21,18 +21,49 @@ def test_untested_release_refused(version):
         _compat.check_torch_version(version)
 
 
-def test_import_on_untested_torch_fails_clearly():
-    code = (
-        "import torch; torch.__version__ = '2.99.0'\n"
-        "try:\n"
-        "    import ca_dynsaved\n"
-        "except ImportError as e:\n"
-        "    print(type(e).__name__, e)\n"
-        "    import torch._dynamo.compiled_autograd as ca, torch._dynamo.config as c\n"
-        "    print('patched' if ca._enable.__module__ != 'torch._dynamo.compiled_autograd'"
-        " or hasattr(c, 'compiled_autograd_dynamic_saved_data') else 'untouched')\n"
-    )
+_IMPORT_AND_REPORT = (
+    "try:\n"
+    "    import ca_dynsaved\n"
+    "except ImportError as e:\n"
+    "    print(type(e).__name__, e)\n"
+    "    import torch._dynamo.compiled_autograd as ca, torch._dynamo.config as c\n"
+    "    print('patched' if ca._enable.__module__ != 'torch._dynamo.compiled_autograd'"
+    " or hasattr(c, 'compiled_autograd_dynamic_saved_data') else 'untouched')\n"
+)
+
+
+def _import_after(setup: str) -> list[str]:
+    """Run ``setup`` then import the plugin in a fresh interpreter: the import error
+    (or nothing) and whether torch was patched."""
+    code = f"import torch, torch._dynamo.compiled_autograd as ca\n{setup}\n{_IMPORT_AND_REPORT}"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    lines = out.stdout.splitlines()
+    return out.stdout.splitlines()
+
+
+def test_import_on_untested_torch_fails_clearly():
+    lines = _import_after("torch.__version__ = '2.99.0'")
     assert lines[0].startswith("UnsupportedTorchError ca_dynsaved supports torch 2.13, 2.14, found torch 2.99.0")
     assert lines[1] == "untouched"
+
+
+@pytest.mark.parametrize(
+    "missing",
+    [
+        "AutogradCompilerInstance.apply_functional",
+        "AutogradCompilerInstance.validate_outputs",
+        "AutogradCompilerInstance.proxy_call_backward",
+        "active_disable_ctx",
+    ],
+)
+def test_missing_internals_refused_at_import(missing):
+    """A torch whose compiled-autograd module lacks what the plugin overrides or
+    reads (simulated by deleting it): the import fails naming the version and the
+    name, and patches nothing."""
+    lines = _import_after(f"del ca.{missing}")
+    assert lines[0].startswith(f"UnsupportedTorchError ca_dynsaved: torch {_compat.torch.__version__} lacks")
+    assert missing in lines[0]
+    assert lines[1] == "untouched"
+
+
+def test_import_succeeds_on_this_torch():
+    assert _import_after("") == []

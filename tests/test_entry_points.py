@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 
 import pytest
 import torch
@@ -31,6 +32,17 @@ PKG_DIR = os.path.dirname(ca_dynsaved.__file__)
 def _forward(ext, i):
     x = torch.linspace(-1.0, 1.0, 8, requires_grad=True)
     return x, ext.scale_traceable(x * 2, *scale_args(i)).sum()
+
+
+def _step_fn(ext):
+    """``step(i)``: backward of ``_forward(ext, i)``; returns ``(x.grad,)``."""
+
+    def step(i):
+        x, loss = _forward(ext, i)
+        loss.backward()
+        return (x.grad,)
+
+    return step
 
 
 def _eager_grad(ext, i):
@@ -103,11 +115,7 @@ def test_config_flag_off_is_stock(ext):
 
 
 def test_stock_behaviour_returns_after_the_context(ext):
-    def step(i):
-        x, loss = _forward(ext, i)
-        loss.backward()
-        return (x.grad,)
-
+    step = _step_fn(ext)
     limit = torch._dynamo.config.recompile_limit
     run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"))
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
@@ -221,12 +229,72 @@ def test_install_uninstall_symmetric_and_idempotent(ext):
 def test_changing_plugin_options_recaptures(ext):
     """The cached CA graph belongs to the options it was captured with."""
 
-    def step(i):
-        x, loss = _forward(ext, i)
-        loss.backward()
-        return (x.grad,)
-
+    step = _step_fn(ext)
     run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager", exclude=["ScaleFn"]), steps=2)
     run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=2)
     assert [n.opaque for n in ca_dynsaved.report().nodes] == [False, True]
     assert counts().captures == 2
+
+
+def test_enable_after_uninstall_still_works(ext):
+    """uninstall() removes the config entries and the hook; an explicit enable()
+    needs neither (the policy falls back to its default)."""
+    ca_dynsaved.uninstall()
+    try:
+        run_loop(_step_fn(ext), lambda: ca_dynsaved.enable(backend="aot_eager"), steps=4)
+    finally:
+        ca_dynsaved.install()
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+
+
+def test_enable_inside_ca_disable(ext):
+    """``enable`` inside ``compiled_autograd._disable()`` turns the plugin on, as
+    stock ``_enable`` does there; after it exits the backward is eager again, and
+    Dynamo's config path (which respects ``_disable``) stays off."""
+    step = _step_fn(ext)
+    before = patched_state()
+    with ca._disable():
+        run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=4)
+        assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+        step(5)  # eager: no capture
+        with torch._dynamo.config.patch(compiled_autograd=True, **{ca_dynsaved.CONFIG_FLAG: True}):
+            x, loss = _forward(ext, 6)
+            torch.compile(lambda loss: loss.backward(), backend="aot_eager")(loss)
+            assert_grads_equal([x.grad], [_eager_grad(ext, 6)])
+        assert counts().captures == 1
+    assert patched_state() == before
+
+
+def test_two_threads_each_running_backward(ext):
+    """CA's compiler is process-global; the plugin's contexts of two threads run
+    one after the other, so each backward is compiled and right, and nothing is
+    left installed (stock CA's contexts interleave and fail with "Nested Compiled
+    Autograd Contexts must return before their parent context")."""
+    step = _step_fn(ext)
+    steps = 6
+    want = {(t, i): step(i + t) for t in range(2) for i in range(steps)}
+    got: dict[tuple[int, int], tuple[torch.Tensor]] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+    before = patched_state()
+
+    def worker(t: int) -> None:
+        try:
+            for i in range(steps):
+                barrier.wait()  # enter the contexts together
+                with ca_dynsaved.enable(backend="aot_eager"):
+                    got[t, i] = step(i + t)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert errors == [] and not any(thread.is_alive() for thread in threads)
+    for key, grads in want.items():
+        assert_grads_equal(got[key], grads)
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+    assert patched_state() == before

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -279,3 +281,54 @@ def test_cpp_and_python_functions_in_one_graph(ext):
     run_loop(step, lambda: ca_dynsaved.enable(backend="inductor", fullgraph=True))
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
     assert sorted(n.opaque for n in ca_dynsaved.report().nodes) == [True, True, True]
+
+
+class AnyScalarFn(torch.autograd.Function):
+    """ctx.v: whatever number the caller passed (a Python int beyond int64, a numpy
+    scalar, a 0-dim tensor); the backward reads it as a Python float."""
+
+    @staticmethod
+    def forward(ctx, x, v):
+        ctx.v = v
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        v = ctx.v
+        if not isinstance(v, (float, np.floating, torch.Tensor)):
+            v = (int(v) % 1009) / 7  # an int of any size
+        return g * float(v), None
+
+
+NON_PYTHON_SCALARS = {
+    "int_beyond_int64": lambda i: 2**64 + 3 * i,
+    "numpy_int64": lambda i: np.int64(3 + i),
+    "numpy_float32": lambda i: np.float32(0.5 + i),
+    "numpy_float64": lambda i: np.float64(0.5 + i),
+}
+
+
+@pytest.mark.parametrize("kind", NON_PYTHON_SCALARS)
+def test_ints_beyond_int64_and_numpy_scalars_run_opaque(kind):
+    """Numbers Dynamo would guard on (stock CA cannot even compile an int beyond
+    int64 or a numpy int64 here: BackendCompilerFailed) run opaque: one compile."""
+    value = NON_PYTHON_SCALARS[kind]
+    run_loop(_step(lambda x, i: AnyScalarFn.apply(x, value(i))), lambda: ca_dynsaved.enable(backend="aot_eager"))
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+    (record,) = ca_dynsaved.report().nodes
+    assert record.opaque and record.kinds == (type(value(0)).__name__,)
+
+
+def test_zero_dim_tensor_attribute_keeps_stock_tracing():
+    """A 0-dim tensor on ctx is a graph input under stock CA, not a guarded value:
+    the function keeps stock tracing (here stock breaks the graph at float(tensor)),
+    with exactly stock's counts and eager's gradients."""
+    step = _step(lambda x, i: AnyScalarFn.apply(x, torch.tensor(0.5 + i)))
+    run_loop(step, stock_enable, steps=5)
+    stock = counts()
+    ca_dynsaved.reset()
+    torch._dynamo.utils.counters.clear()
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=5)
+    assert counts() == stock == Counts(captures=1, compiles=4, graph_breaks=3)
+    (record,) = set(ca_dynsaved.report().nodes)
+    assert not record.opaque and "no int or float ctx attribute" in record.reason
