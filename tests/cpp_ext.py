@@ -69,14 +69,19 @@ struct MultiFn : public Function<MultiFn<TRACE>> {
   }
 };
 
-// Returns no gradient when the saved int is odd: None depends on a saved value.
-template <bool TRACE>
-struct OddNoneFn : public Function<OddNoneFn<TRACE>> {
-  static constexpr bool is_traceable = TRACE;
+// x * k, saving k: the forward of the functions below, which differ in backward.
+template <typename Derived>
+struct TimesK : public Function<Derived> {
   static at::Tensor forward(AutogradContext* ctx, at::Tensor x, int64_t k) {
     ctx->saved_data["k"] = k;
     return x * static_cast<double>(k);
   }
+};
+
+// Returns no gradient when the saved int is odd: None depends on a saved value.
+template <bool TRACE>
+struct OddNoneFn : public TimesK<OddNoneFn<TRACE>> {
+  static constexpr bool is_traceable = TRACE;
   static variable_list backward(AutogradContext* ctx, variable_list g) {
     auto k = ctx->saved_data["k"].toInt();
     if (k % 2 == 1) return {at::Tensor(), at::Tensor()};
@@ -152,12 +157,8 @@ struct SkipFn : public Function<SkipFn<TRACE>> {
 
 // Raises from backward for some saved values (TORCH_CHECK_VALUE: a Python ValueError).
 template <bool TRACE>
-struct ThrowFn : public Function<ThrowFn<TRACE>> {
+struct ThrowFn : public TimesK<ThrowFn<TRACE>> {
   static constexpr bool is_traceable = TRACE;
-  static at::Tensor forward(AutogradContext* ctx, at::Tensor x, int64_t k) {
-    ctx->saved_data["k"] = k;
-    return x * static_cast<double>(k);
-  }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
     auto k = ctx->saved_data["k"].toInt();
     TORCH_CHECK_VALUE(k % 3 != 2, "ThrowFn backward refuses k=", k);

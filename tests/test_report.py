@@ -189,3 +189,33 @@ def test_values_seen_are_distinct_and_bounded():
     for v in range(5 * MAX_COUNTED):
         key.see(v)
     assert key.more_values == MAX_COUNTED
+
+
+class ArrayCtxFn(torch.autograd.Function):
+    """An int, a numpy array and a NaN on ctx: values whose == is no bool, or no
+    equality at all."""
+
+    @staticmethod
+    def forward(ctx, x, k, weights):
+        ctx.k, ctx.weights, ctx.nan = k, weights, float("nan")
+        return x * k
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.k * float(ctx.weights.sum()), None, None
+
+
+def test_report_records_values_that_do_not_compare(ext):
+    """The report compares the values it records without ever raising: an array's
+    ``==`` gives an array (``in`` would raise "truth value ... is ambiguous" in the
+    user's backward), and NaN is recorded once."""
+    import numpy as np
+
+    step = leaf_grad_step(lambda x, i: ArrayCtxFn.apply(x, i, np.full(3, float(i))))
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=10)
+    keys = ca_dynsaved.report().functions["ArrayCtxFn"].keys
+    assert [int(v.sum()) for v in keys["weights"].values] == [3 * i for i in range(8)]
+    assert keys["weights"].more_values == 2
+    assert keys["k"].values == list(range(8)) and keys["k"].more_values == 2
+    assert len(keys["nan"].values) == 1 and keys["nan"].more_values == 0
+    assert torch._dynamo.utils.counters["compiled_autograd"]["captures"] == 1
