@@ -5,10 +5,11 @@ Under stock CA a Python backward is traced by Dynamo with the ctx as graph input
 automatic dynamic; a value passed to an op whose schema says ``int``/``float``
 recompiles on every new value). Policy ``"opaque"`` (the default) runs the
 backward of every function whose ctx holds a top-level int or float attribute
-(numpy scalars included) through ``ca_dynsaved::py_function`` with its real ctx: new values never
-recompile, at the price of the backward's ops not fusing with their neighbours.
-Functions whose ctx holds no int or float keep stock tracing, so a bool or str
-attribute that picks a branch keeps its guard (one compile per value).
+(numpy scalars included) through ``ca_dynsaved::py_function`` with its real ctx:
+new values never recompile, at the price of the backward's ops not fusing with
+their neighbours. Functions whose ctx holds no int or float keep stock tracing, so
+a bool or str attribute that picks a branch keeps its guard (one compile per
+value), and a tensor attribute stays a graph input.
 Policy ``"stock"`` leaves every Python function to stock CA.
 """
 
