@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
+import torch._dynamo.compiled_autograd as ca
 from torch._dynamo.utils import counters
 
 import ca_dynsaved
+from ca_dynsaved import _install
 
 STEPS = 12
 
@@ -50,10 +52,6 @@ def assert_grads_equal(got: Iterable[Any], want: Iterable[Any], equal_nan: bool 
 
 def patched_state() -> tuple[Any, ...]:
     """Everything the plugin patches or CA keeps globally, to compare before/after."""
-    import torch._dynamo.compiled_autograd as ca
-
-    from ca_dynsaved import _install
-
     compiler = torch._C._dynamo.compiled_autograd.set_autograd_compiler(None, False)
     torch._C._dynamo.compiled_autograd.set_autograd_compiler(*compiler)  # a read, undone
     config = torch._dynamo.config

@@ -1,4 +1,5 @@
-"""The version gate: untested torch releases are refused with a clear error."""
+"""The version gate: untested torch releases, and releases lacking an internal the
+plugin uses, are refused at import with a clear error, and nothing is patched."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ca_dynsaved import _compat
 
@@ -60,7 +62,7 @@ def test_missing_internals_refused_at_import(missing):
     reads (simulated by deleting it): the import fails naming the version and the
     name, and patches nothing."""
     lines = _import_after(f"del ca.{missing}")
-    assert lines[0].startswith(f"UnsupportedTorchError ca_dynsaved: torch {_compat.torch.__version__} lacks")
+    assert lines[0].startswith(f"UnsupportedTorchError ca_dynsaved: torch {torch.__version__} lacks")
     assert missing in lines[0]
     assert lines[1] == "untouched"
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 import ca_dynsaved
-from helpers import Counts, assert_grads_equal, counts, patched_state
+from helpers import Counts, assert_grads_equal, counts, leaf_grad_step, patched_state
 
 
 class StepError(ValueError):
@@ -30,19 +32,12 @@ class RaisingFn(torch.autograd.Function):
         return g * ctx.k, None
 
 
-def _step(apply, k):
-    x = torch.linspace(-1.0, 1.0, 6, requires_grad=True)
-    apply(x * 2, k).sum().backward()
-    return x.grad
-
-
 def _outcome(apply, k, plugin: bool):
     """(gradient, None) or (None, exception) of one step."""
+    step = leaf_grad_step(apply)
     try:
-        if plugin:
-            with ca_dynsaved.enable(backend="aot_eager"):
-                return _step(apply, k), None
-        return _step(apply, k), None
+        with ca_dynsaved.enable(backend="aot_eager") if plugin else contextlib.nullcontext():
+            return step(k)[0], None
     except Exception as e:  # noqa: BLE001 - the point is to compare them
         return None, e
 

@@ -11,6 +11,7 @@ import torch
 
 import ca_dynsaved
 from helpers import STEPS, Counts, assert_grads_equal, counts, run_loop, stock_enable
+from test_python_ctx import ScaleFn
 
 
 class PyMatFn(torch.autograd.Function):
@@ -128,19 +129,6 @@ def test_torch_func_refuses_cpp_functions_as_eager_does(ext):
             torch.func.grad(f)(torch.ones(3), 2)
 
 
-class PyScaleFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, k, s):
-        ctx.k, ctx.s = k, s
-        ctx.save_for_backward(x)
-        return x * x * s + k
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g * 2 * x * ctx.s + ctx.k, None, None
-
-
 @pytest.mark.parametrize("kind", ["cpp_opaque", "cpp_traceable", "python"])
 def test_hooks_around_custom_nodes(ext, kind):
     """A tensor hook on the input feeding the node and on its output (a pre-hook of
@@ -148,7 +136,7 @@ def test_hooks_around_custom_nodes(ext, kind):
     CA traces the hooks around the opaque op, as stock traces them around the
     backward."""
     if kind == "python":
-        apply = lambda x, i: PyScaleFn.apply(x, i, 0.5 + i)  # noqa: E731
+        apply = lambda x, i: ScaleFn.apply(x, i, 0.5 + i)  # noqa: E731
     else:
         fn = getattr(ext, f"scale_{kind.split('_')[1]}")
         apply = lambda x, i: fn(x, i, 1 - i, 0.5 + i, 0.25)  # noqa: E731
