@@ -63,10 +63,11 @@ def missing_internals() -> list[str]:
     return missing
 
 
-if missing_internals():
+_missing = missing_internals()
+if _missing:
     raise UnsupportedTorchError(
         f"ca_dynsaved: torch {torch.__version__} lacks compiled-autograd internals the "
-        f"plugin relies on: {', '.join(missing_internals())}; nothing was patched."
+        f"plugin relies on: {', '.join(_missing)}; nothing was patched."
     )
 
 #: The stock capture class; the plugin subclasses it.
