@@ -36,9 +36,18 @@ def counts() -> Counts:
     )
 
 
-def stock_enable(backend: str = "aot_eager", fullgraph: bool = False) -> Any:
+def stock_enable(
+    backend: str = "aot_eager",
+    fullgraph: bool = False,
+    *,
+    capture_dynamic: bool = True,
+    **compile_kwargs: Any,
+) -> Any:
+    """Stock compiled autograd compiling with ``torch.compile(graph, backend=...,
+    fullgraph=..., **compile_kwargs)``; ``capture_dynamic`` is ``_enable``'s own."""
     return torch._dynamo.compiled_autograd._enable(
-        lambda gm: torch.compile(gm, backend=backend, fullgraph=fullgraph)
+        lambda gm: torch.compile(gm, backend=backend, fullgraph=fullgraph, **compile_kwargs),
+        capture_dynamic,
     )
 
 
@@ -95,22 +104,27 @@ ENTRY_POINTS = ("context", "decorator", "config")
 
 
 @contextlib.contextmanager
-def entry_point(kind: str, backend: str = "aot_eager", **options: Any):
+def entry_point(
+    kind: str, backend: str = "aot_eager", compile_kwargs: dict[str, Any] | None = None, **options: Any
+):
     """Yield ``backward(loss)``: ``loss.backward()`` under one of the three entry points.
 
+    ``compile_kwargs`` (``mode``, ``options``, ...) go to ``enable`` or, on the config
+    path, to ``torch.compile``, which hands them on to the CA graph's compile.
     The config path runs backward from a torch.compile'd frame, where Dynamo
     records one graph break of its own (``Tensor.backward()``), as stock does.
     """
+    compile_kwargs = compile_kwargs or {}
     if kind == "context":
 
         def backward(loss):
-            with ca_dynsaved.enable(backend=backend, **options):
+            with ca_dynsaved.enable(backend=backend, **compile_kwargs, **options):
                 loss.backward()
 
         yield backward
     elif kind == "decorator":
 
-        @ca_dynsaved.enable(backend=backend, **options)
+        @ca_dynsaved.enable(backend=backend, **compile_kwargs, **options)
         def backward(loss):
             loss.backward()
 
@@ -120,7 +134,7 @@ def entry_point(kind: str, backend: str = "aot_eager", **options: Any):
         flags = {"compiled_autograd": True, ca_dynsaved.CONFIG_FLAG: True}
         with torch._dynamo.config.patch(**flags):
             # torch.compile reads config.compiled_autograd when it wraps the function.
-            @torch.compile(backend=backend)
+            @torch.compile(backend=backend, **compile_kwargs)
             def backward(loss):
                 loss.backward()
 

@@ -198,6 +198,12 @@ def autocast_state() -> AutocastState | None:
     return enabled, torch.is_autocast_cache_enabled()
 
 
+#: The op tag that makes inductor keep an op out of CUDA graphs: with graph
+#: partitioning it splits the graph around the op (``Scheduler.should_partition``),
+#: without it skips CUDA graphs for the graph (``get_first_incompatible_cudagraph_node``).
+CUDAGRAPH_UNSAFE = torch.Tag.cudagraph_unsafe
+
+
 def validate_outputs_fn() -> Callable[..., Any]:
     """The C++ ``validate_outputs`` functional, bound by the first CA capture."""
     return ca.ops.get("validate_outputs").fn

@@ -280,14 +280,23 @@ def _undefined_message(spec, expected, got, saved_desc) -> str:  # type: ignore[
 # Defined with torch.library.Library rather than custom_op: these run once per node
 # per backward, and custom_op's autograd and dispatch wrappers cost ~60 us a call.
 # Gradients never flow through them (create_graph runs call the runners directly).
+#
+# Tagged cudagraph_unsafe: their Python reads this run's saved values (the packed
+# scalars, the ctx in CA's hooks, the bound capture data). A CUDA graph records the
+# kernels an op launches once and then only replays them, so a recorded op would
+# replay the first step's values forever. With the tag, inductor's graph partitioning
+# runs each op between CUDA-graphed partitions (and without partitioning, skips CUDA
+# graphs for the graph) - see _compat.CUDAGRAPH_UNSAFE.
 _lib = torch.library.Library("ca_dynsaved", "DEF")
 _lib.define(
     "cpp_function(Tensor?[] grads, Tensor?[] tensors, Tensor ints, Tensor floats, "
-    "SymInt[] symints, str key, int slot) -> Tensor?[]"
+    "SymInt[] symints, str key, int slot) -> Tensor?[]",
+    tags=(_compat.CUDAGRAPH_UNSAFE,),
 )
 _lib.define(
     "py_function(Tensor?[] grads, Tensor?[] saved, SymInt[] symints, str key, int slot, "
-    "int hook) -> Tensor?[]"
+    "int hook) -> Tensor?[]",
+    tags=(_compat.CUDAGRAPH_UNSAFE,),
 )
 _lib.impl("cpp_function", run_cpp, "CompositeExplicitAutograd")
 _lib.impl("py_function", run_python, "CompositeExplicitAutograd")

@@ -13,7 +13,7 @@ the code reaches, since a per-capture closure (an AOT backward prologue, a stock
 C++ node op) can hide behind the same name, and the compiler. The cache keeps
 what it holds alive, so an id cannot be reused while its entry exists.
 
-Compilers: ``enable``'s default compares by (backend, fullgraph); a given
+Compilers: ``enable``'s default compares by its ``torch.compile`` arguments; a given
 ``compiler_fn`` by identity. Dynamo's config path builds a new compiler for every
 compiled frame it enters, so all of its compilers count as one: two compiled
 frames with different backends may share code for an equal CA graph, as stock
@@ -38,10 +38,9 @@ _CACHE: OrderedDict[tuple[str, Any], Callable[..., Any]] = OrderedDict()
 
 
 def compiler_tag(compiler_fn: Any) -> Any:
-    from .enable import TorchCompile
-
-    if isinstance(compiler_fn, TorchCompile):
-        return compiler_fn
+    """What identifies a compiler for reuse: ``enable``'s default (a frozen
+    dataclass) by value, a given ``compiler_fn`` by identity, Dynamo's config path
+    as one compiler."""
     if _compat.is_dynamo_config_compiler(compiler_fn):
         return ("dynamo config path", compiler_fn.fullgraph)
     return compiler_fn
