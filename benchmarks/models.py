@@ -1,5 +1,10 @@
-"""The benchmark model: an MLP (4 hidden layers, width 512, batch 64) with a custom
-autograd function as the activation after each hidden layer (4 nodes a backward).
+"""The benchmark models, each with a custom autograd function as its activation:
+
+* ``MLP`` (matmul-bound): 4 hidden layers, width 512, batch 64, the activation after
+  each hidden layer (4 nodes a backward);
+* ``Elementwise`` (fusion-sensitive): 3 layers of ``act(x * w + b)`` on 1M elements
+  (1024 x 1024, w and b per column), nothing but elementwise math, so what inductor
+  fuses (or cannot, around an opaque node) decides the step time.
 
 The activation is ``y = gain * x * sigmoid(beta * x)``, negated when ``flip``, with
 ``mode`` choosing sigmoid or tanh gating, in three variants:
@@ -23,6 +28,8 @@ from torch.utils.cpp_extension import load_inline
 BUILD_DIR = Path(__file__).resolve().parent.parent / ".ext_build" / f"torch-{torch.__version__}" / "bench"
 WIDTH, DEPTH, BATCH = 512, 4, 64
 VARIANTS = ("cpp", "python", "hashed")
+ROWS, COLS, LAYERS = 1024, 1024, 3
+ELEMENTWISE_VARIANTS = ("cpp", "python")
 
 CPP_SOURCE = r"""
 #include <torch/extension.h>
@@ -112,3 +119,20 @@ class MLP(torch.nn.Module):
             else:
                 x = self.ext.sched_act(x, beta, gain, flip, mode)
         return self.head(x).square().mean()
+
+
+class Elementwise(torch.nn.Module):
+    def __init__(self, variant: str, ext: ModuleType) -> None:
+        super().__init__()
+        self.variant, self.ext = variant, ext
+        self.w = torch.nn.ParameterList(torch.nn.Parameter(torch.rand(COLS) + 0.5) for _ in range(LAYERS))
+        self.b = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(COLS) * 0.1) for _ in range(LAYERS))
+
+    def forward(self, x: torch.Tensor, beta: float, gain: int, flip: bool, mode: str) -> torch.Tensor:
+        for w, b in zip(self.w, self.b):
+            x = x * w + b
+            if self.variant == "python":
+                x = PyAct.apply(x, beta, gain)
+            else:
+                x = self.ext.sched_act(x, beta, gain, flip, mode)
+        return x.square().mean()

@@ -13,34 +13,52 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+MODELS = {
+    "mlp": "MLP 4x512, batch 64, 4 custom-function nodes (matmul-bound)",
+    "elementwise": "elementwise, 3 layers of act(x * w + b) on 1024x1024, 3 custom-function nodes (fusion-sensitive)",
+}
+CONFIGS = ("eager", "stock_constant", "stock_varying", "plugin_varying", "plugin_opaque_varying")
+
+
 def table(data: dict) -> str:
-    rows = {(r["variant"], r["config"]): r for r in data["results"]}
-    variants = sorted({v for v, _ in rows}, key=["cpp", "python", "hashed"].index)
+    first = data["results"][0]
     lines = [
-        f"Benchmark: MLP 4x512, batch 64, 4 custom-function nodes, "
-        f"total: the first {data['results'][0]['steps']} steps, compiles included; steady: median "
-        f"step of the next ones; backend {data['results'][0]['backend']}; "
-        f"torch {data['torch']}; {data['machine']}; {data['date']}.",
-        "",
-        "| variant | config | compiles | captures | total s | steady µs/step | total / stock_constant | "
-        "total / stock_varying | steady / stock_constant | µs per opaque node |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"Total: the first {first['steps']} steps, compiles included; steady: the smallest "
+        f"of {first.get('passes', 3)} passes' median step, values still changing; backend "
+        f"{first['backend']}; torch {data['torch']}; {data['machine']}; {data['date']}. "
+        "Ratios are against stock compiled autograd in the same run, with values that "
+        "never change (stock_constant, the floor) and that change every step (stock_varying).",
     ]
-    for v in variants:
-        floor, varying = rows.get((v, "stock_constant")), rows.get((v, "stock_varying"))
-        for config in ("eager", "stock_constant", "stock_varying", "plugin_varying"):
-            r = rows.get((v, config))
-            if r is None:
-                continue
-            per_node = (
-                f"{(r['steady_us'] - floor['steady_us']) / r['opaque_nodes']:.0f}"
-                if r["opaque_nodes"] and floor else ""
-            )
-            lines.append(
-                f"| {v} | {config} | {r['compiles']} | {r['captures']} | {r['total_s']:.2f} | "
-                f"{r['steady_us']:.0f} | {r['total_s'] / floor['total_s']:.2f} | "
-                f"{r['total_s'] / varying['total_s']:.2f} | {r['steady_us'] / floor['steady_us']:.2f} | {per_node} |"
-            )
+    for model, title in MODELS.items():
+        rows = {(r["variant"], r["config"]): r for r in data["results"] if r.get("model", "mlp") == model}
+        if not rows:
+            continue
+        variants = sorted({v for v, _ in rows}, key=["cpp", "python", "hashed"].index)
+        lines += [
+            "",
+            f"Model: {title}.",
+            "",
+            "| variant | config | compiles | captures | opaque nodes | total s | steady µs/step | "
+            "total / stock_constant | total / stock_varying | steady / stock_constant | "
+            "steady / stock_varying | µs per opaque node |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for v in variants:
+            floor, varying = rows.get((v, "stock_constant")), rows.get((v, "stock_varying"))
+            for config in CONFIGS:
+                r = rows.get((v, config))
+                if r is None or floor is None or varying is None:
+                    continue
+                per_node = (
+                    f"{(r['steady_us'] - floor['steady_us']) / r['opaque_nodes']:.0f}"
+                    if r["opaque_nodes"] else ""
+                )
+                lines.append(
+                    f"| {v} | {config} | {r['compiles']} | {r['captures']} | {r['opaque_nodes']} | "
+                    f"{r['total_s']:.2f} | {r['steady_us']:.0f} | {r['total_s'] / floor['total_s']:.2f} | "
+                    f"{r['total_s'] / varying['total_s']:.2f} | {r['steady_us'] / floor['steady_us']:.2f} | "
+                    f"{r['steady_us'] / varying['steady_us']:.2f} | {per_node} |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -52,17 +70,17 @@ def plot(data: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    variants = sorted({r["variant"] for r in data["results"]})
-    fig, axes = plt.subplots(1, len(variants), figsize=(5 * len(variants), 4), squeeze=False)
-    for ax, v in zip(axes[0], variants):
+    panels = sorted({(r.get("model", "mlp"), r["variant"]) for r in data["results"]})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (m, v) in zip(axes[0], panels):
         for r in data["results"]:
-            if r["variant"] == v:
+            if (r.get("model", "mlp"), r["variant"]) == (m, v):
                 total, cumulative = 0.0, []
                 for t in r["step_s"]:
                     total += t
                     cumulative.append(total)
                 ax.plot(range(1, len(cumulative) + 1), cumulative, label=r["config"])
-        ax.set(title=v, xlabel="step", ylabel="cumulative seconds")
+        ax.set(title=f"{m} / {v}", xlabel="step", ylabel="cumulative seconds")
         ax.legend()
     fig.tight_layout()
     fig.savefig(path)

@@ -37,7 +37,7 @@ from helpers import (
     scale_args,
     stock_enable,
 )
-from test_python_ctx import ScaleFn
+from test_python_ctx import pool
 
 
 def _cpp_apply(ext):
@@ -45,7 +45,8 @@ def _cpp_apply(ext):
 
 
 def _python_apply(ext):
-    return lambda x, i: ScaleFn.apply(x.sin(), i, 1.0 - i / 4).cos()
+    # A float-schema op in its backward: opaque under python_policy="auto".
+    return lambda x, i: pool(x.sin(), 0.25 + i / 2, i + 1).cos()
 
 
 #: kind -> (the custom function applied between elementwise ops, its opaque op)

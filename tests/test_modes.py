@@ -44,19 +44,24 @@ def _autocast_step(apply, autocast: bool):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("kind", ["cpp_opaque", "cpp_traceable", "python"])
+@pytest.mark.parametrize("kind", ["cpp_opaque", "cpp_traceable", "python", "python_opaque"])
 def test_backward_under_autocast_matches_eager(ext, kind, backend):
     """A compiled graph runs with autocast off (AOTAutograd bakes it into the ops
     it traced); the opaque ops run the user's backward under the caller's autocast
-    state, as eager's engine does, so its matmuls are bfloat16 like eager's."""
+    state, as eager's engine does, so its matmuls are bfloat16 like eager's. A
+    traced Python backward (python_policy="auto") gets autocast as Dynamo traced it."""
     apply = {
         "cpp_opaque": ext.mat_opaque,
         "cpp_traceable": ext.mat_traceable,
         "python": PyMatFn.apply,
+        "python_opaque": PyMatFn.apply,
     }[kind]
+    policy = "opaque" if kind == "python_opaque" else None
     step = _autocast_step(apply, autocast=True)
-    run_loop(step, lambda: ca_dynsaved.enable(backend=backend), steps=4)
+    run_loop(step, lambda: ca_dynsaved.enable(backend=backend, python_policy=policy), steps=4)
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+    (node,) = set(ca_dynsaved.report().nodes)
+    assert node.handling == ("traced-dynamic" if kind == "python" else "opaque")
     # The comparison means something: autocast changes eager's gradients.
     plain = _autocast_step(apply, autocast=False)(0)
     assert not torch.allclose(step(0)[0], plain[0])
@@ -156,7 +161,8 @@ def test_hooks_around_custom_nodes(ext, kind):
 
     run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"))
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
-    assert [n.opaque for n in ca_dynsaved.report().nodes] == [True]
+    # The Python function's numbers only reach tensor math: traced, hooks and all.
+    assert [n.handling for n in ca_dynsaved.report().nodes] == ["traced-dynamic" if kind == "python" else "opaque"]
     # The hooks are in play: without them the gradient differs.
     x = torch.linspace(-1.0, 1.0, 8, requires_grad=True)
     (apply(x * 2, STEPS - 1) ** 2).sum().backward()

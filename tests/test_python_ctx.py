@@ -151,12 +151,28 @@ pool_step = _step(lambda x, i: pool(x, 0.25 + i / 2, i + 1))
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("step", [scale_step, pool_step], ids=["tensor_math", "custom_op_schema"])
-def test_int_float_ctx_attributes_compile_once(step, backend):
+@pytest.mark.parametrize(
+    "step,handling",
+    [(scale_step, "traced-dynamic"), (pool_step, "opaque")],
+    ids=["tensor_math", "custom_op_schema"],
+)
+def test_int_float_ctx_attributes_compile_once(step, handling, backend):
+    """python_policy="auto" (the default): tensor math is traced with the ctx
+    numbers dynamic from the first compile; a float/int schema op runs opaque."""
     run_loop(step, lambda: ca_dynsaved.enable(backend=backend, fullgraph=True))
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
     (record,) = ca_dynsaved.report().nodes
-    assert record.opaque and set(record.kinds) == {"int", "float"}
+    assert (record.handling, record.opaque) == (handling, handling == "opaque")
+    assert set(record.kinds) == {"int", "float"}
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("step", [scale_step, pool_step], ids=["tensor_math", "custom_op_schema"])
+def test_policy_opaque_runs_every_number_function_opaque(step, backend):
+    run_loop(step, lambda: ca_dynsaved.enable(backend=backend, python_policy="opaque"))
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+    (record,) = ca_dynsaved.report().nodes
+    assert (record.handling, record.reason) == ("opaque", "")
 
 
 def test_stock_baselines():
@@ -258,17 +274,20 @@ def test_gradient_for_a_non_tensor_input_is_refused_like_eager():
             BadGradFn.apply(x, 3).sum().backward()
 
 
-def test_create_graph_through_python_function():
+@pytest.mark.parametrize("policy,eager_runs", [("auto", 0), ("opaque", 3)])
+def test_create_graph_through_python_function(policy, eager_runs):
+    """Traced (auto): stock CA's own create_graph handling; opaque: the captured
+    graph runs eagerly with the backward called directly. Both equal eager."""
     for i in range(3):
         x = torch.linspace(-1.0, 1.0, 8, requires_grad=True)
-        with ca_dynsaved.enable(backend="aot_eager"):
+        with ca_dynsaved.enable(backend="aot_eager", python_policy=policy):
             (g,) = torch.autograd.grad(ScaleFn.apply(x * 2, i, i / 2).sum(), x, create_graph=True)
         (gg,) = torch.autograd.grad(g.sum(), x)
         x_e = torch.linspace(-1.0, 1.0, 8, requires_grad=True)
         (g_e,) = torch.autograd.grad(ScaleFn.apply(x_e * 2, i, i / 2).sum(), x_e, create_graph=True)
         (gg_e,) = torch.autograd.grad(g_e.sum(), x_e)
         torch.testing.assert_close((g, gg), (g_e, gg_e))
-    assert torch._dynamo.utils.counters["ca_dynsaved"]["create_graph_eager_runs"] == 3
+    assert torch._dynamo.utils.counters["ca_dynsaved"]["create_graph_eager_runs"] == eager_runs
 
 
 def test_cpp_and_python_functions_in_one_graph(ext):
@@ -280,7 +299,11 @@ def test_cpp_and_python_functions_in_one_graph(ext):
 
     run_loop(step, lambda: ca_dynsaved.enable(backend="inductor", fullgraph=True))
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
-    assert sorted(n.opaque for n in ca_dynsaved.report().nodes) == [True, True, True]
+    assert {(n.name, n.handling) for n in ca_dynsaved.report().nodes} == {
+        ("ScaleFn", "traced-dynamic"),
+        ("torch::autograd::CppNode<ScaleFn<false> >", "opaque"),
+        ("GeneratedBackwardFor_ca_dynsaved_tests_pool_default", "opaque"),
+    }
 
 
 class AnyScalarFn(torch.autograd.Function):

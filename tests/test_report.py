@@ -111,9 +111,10 @@ def test_reset_report(ext):
 
 _LOG_SNIPPET = (
     "import sys; sys.path.insert(0, 'tests'); import torch, ca_dynsaved\n"
-    "from test_python_ctx import pool_step\n"
+    "from test_python_ctx import pool_step, scale_step\n"
     "with ca_dynsaved.enable(backend='aot_eager'):\n"
     "    for i in range(2): pool_step(i)\n"
+    "    scale_step(0)\n"
 )
 
 
@@ -127,8 +128,17 @@ def _run_snippet(torch_logs: str | None) -> str:
 
 def test_log_artifact():
     info = _run_snippet("ca_dynsaved")
-    assert re.search(r"capture !0: GeneratedBackwardFor_ca_dynsaved_tests_pool_default opaque; saved scale: float, ratio: int", info)
+    assert re.search(
+        r"capture !0: GeneratedBackwardFor_ca_dynsaved_tests_pool_default opaque \(ctx.scale needs its "
+        r"value \(guard Eq\(ctx.scale, 0.37\)\)\); saved scale: float, ratio: int",
+        info,
+    )
     assert "capture !0: first run done; compiled code" in info
+    assert re.search(
+        r"capture !1: ScaleFn traced-dynamic \(its ctx numbers only reach tensor math: ctx.k, "
+        r"ctx.scale\); saved k: int, scale: float",
+        info,
+    )
     assert "graph:" not in info
     assert "def forward(self, inputs, sizes, scalars, hooks, packed_data)" in _run_snippet("+ca_dynsaved")
     assert "capture !" not in _run_snippet(None)

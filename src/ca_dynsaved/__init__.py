@@ -19,7 +19,7 @@ from . import _compat  # noqa: F401  (version check first)
 
 import torch  # noqa: E402
 
-from . import opaque, reuse  # noqa: E402
+from . import opaque, probe, reuse  # noqa: E402
 from ._install import CONFIG_FLAG, CONFIG_PYTHON_POLICY, install, uninstall  # noqa: E402
 from .enable import enable  # noqa: E402
 from .report import report, reset_report  # noqa: E402
@@ -39,10 +39,11 @@ __all__ = [
 
 def reset() -> None:
     """Return to a fresh process's state: ``torch._dynamo.reset()`` (which drops
-    every cached CA graph), then the plugin's registry, compiled-graph cache and
-    report."""
+    every cached CA graph), then the plugin's registry, probe verdicts,
+    compiled-graph cache and report."""
     torch._dynamo.reset()
     opaque.clear()
+    probe.clear()
     reuse.clear()
     reset_report()
 

@@ -7,7 +7,8 @@ so the import-time version check can refuse a release nobody has tested.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -207,6 +208,110 @@ CUDAGRAPH_UNSAFE = torch.Tag.cudagraph_unsafe
 def validate_outputs_fn() -> Callable[..., Any]:
     """The C++ ``validate_outputs`` functional, bound by the first CA capture."""
     return ca.ops.get("validate_outputs").fn
+
+
+# --- Dynamo's automatic-dynamic state (torch._dynamo.pgo) ---------------------------
+def mark_dynamic_scalars(code: Any, sources: Sequence[str]) -> None:
+    """Make Dynamo treat the scalars named ``sources`` (``L['hooks'][0].k``) in
+    frames of ``code`` as dynamic from their first compile.
+
+    What automatic dynamic records once a value has changed (one recompile later);
+    writing it before the first compile skips that recompile. Only these names
+    change: tensor sizes and every other input keep their own dynamism. Cleared by
+    ``torch._dynamo.reset()``."""
+    if not sources:
+        return
+    from torch._dynamo import pgo
+
+    state = pgo.get_code_state()[pgo.CodeId.make(code)]
+    for name in sources:
+        state.automatic_dynamic[name] = pgo.FrameStateSizeEntry.make_scalar(pgo.auto_dynamic)
+
+
+def dynamo_specializes_floats() -> bool:
+    """Whether Dynamo specialises every float it reads (it does while inductor's
+    global CUDA-graphs flag is on, or when asked to), whatever automatic dynamic says."""
+    return bool(torch._dynamo.config.specialize_float or torch._inductor.config.triton.cudagraphs)
+
+
+# --- a private symbolic world, for probing a backward (probe.py) --------------------
+def symbolic_probe_mode() -> tuple[Any, Any]:
+    """(ShapeEnv, FakeTensorMode over it), fresh: nothing shared with a capture."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    shape_env = ShapeEnv()
+    # A tensor kept as a ctx attribute is real: faked on first use.
+    return shape_env, FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+
+
+def new_symbol(shape_env: Any, name: str, hint: int | float) -> Any:
+    """A fresh SymInt / SymFloat called ``name`` with ``hint``, never specialised
+    on 0 or 1 (what Dynamo makes of a dynamic int or float it reads)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    source = ConstantSource(name)
+    sym = shape_env.create_unspecified_symbol(hint, source=source, dynamic_dim=DimDynamic.DYNAMIC)
+    create = shape_env.create_symintnode if type(hint) is int else shape_env.create_symfloatnode
+    return create(sym, hint=hint, source=source)
+
+
+def guarded_symbols(shape_env: Any) -> list[tuple[Any, str]]:
+    """(symbol, guard text) for every symbol a guard or a specialisation names."""
+    found = [(sym, str(guard.expr)) for guard in shape_env.guards for sym in guard.expr.free_symbols]
+    found += [(sym, f"{sym} specialized to {value}") for sym, value in shape_env.replacements.items()]
+    return found
+
+
+def size_hints(t: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Concrete sizes and strides of a (possibly symbolic) capture tensor, read
+    without guarding."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    return [optimization_hint(s) for s in t.shape], [optimization_hint(s) for s in t.stride()]
+
+
+def incoming_grad_metadata(ctx: Any) -> list[tuple[torch.Size, torch.dtype, torch.device]]:
+    """(shape, dtype, device) of each gradient a Python node's backward receives.
+    At capture, CA hands ``proxy_call_backward`` placeholders in their place."""
+    return [(m.shape, m.dtype, m.device) for m in ctx._input_metadata]
+
+
+def outside_capture() -> Any:
+    """Leave the capture's fake and proxy modes for a block (the probe's own fake
+    tensors must not be traced into the CA graph), and its suppression of guards,
+    which is thread-wide: the probe's ShapeEnv must record every guard."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(disable_proxy_modes_tracing())
+    stack.enter_context(unset_fake_temporarily())
+    stack.enter_context(_guards_recorded())
+    return stack
+
+
+@contextlib.contextmanager
+def _guards_recorded() -> Iterator[None]:
+    from torch.fx.experimental import symbolic_shapes
+
+    prior = getattr(symbolic_shapes.TLS, "suppress_guards", False)
+    symbolic_shapes.TLS.suppress_guards = False
+    try:
+        yield
+    finally:
+        symbolic_shapes.TLS.suppress_guards = prior
+
+
+def tensorifiable_ops() -> frozenset[Any]:
+    """The ops whose float arguments the backends' tensorify pass turns into tensor
+    arguments; a symbolic float reaching any other op gets specialised there
+    (``torch/fx/passes/_tensorify_python_scalars.py``)."""
+    from torch.fx.passes._tensorify_python_scalars import SUPPORTED_OPS
+
+    return frozenset(SUPPORTED_OPS)
 
 
 # --- C++ argument layouts ---------------------------------------------------

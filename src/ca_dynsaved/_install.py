@@ -35,7 +35,7 @@ from .compiler import DynSavedCompilerInstance
 CONFIG_FLAG = "compiled_autograd_dynamic_saved_data"
 #: Config entry for the Python-function policy (``pyctx``), used by every entry point.
 CONFIG_PYTHON_POLICY = "compiled_autograd_dynamic_saved_data_python_policy"
-_CONFIG_ENTRIES = {CONFIG_FLAG: (False, bool), CONFIG_PYTHON_POLICY: (pyctx.OPAQUE, str)}
+_CONFIG_ENTRIES = {CONFIG_FLAG: (False, bool), CONFIG_PYTHON_POLICY: (pyctx.AUTO, str)}
 
 
 
@@ -45,7 +45,7 @@ class Mode:
 
     plugin: bool
     exclude: frozenset[str] = frozenset()
-    python_policy: str = pyctx.OPAQUE
+    python_policy: str = pyctx.AUTO
 
 
 STOCK = Mode(plugin=False)
@@ -54,7 +54,7 @@ STOCK = Mode(plugin=False)
 def plugin_mode(exclude: frozenset[str] = frozenset(), python_policy: str | None = None) -> Mode:
     """The plugin with these options; ``python_policy=None`` reads the config entry."""
     if python_policy is None:  # the entry is gone after uninstall(): its default
-        python_policy = getattr(torch._dynamo.config, CONFIG_PYTHON_POLICY, pyctx.OPAQUE)
+        python_policy = getattr(torch._dynamo.config, CONFIG_PYTHON_POLICY, pyctx.AUTO)
     return Mode(True, frozenset(exclude), pyctx.check_policy(python_policy))
 
 

@@ -50,6 +50,7 @@ class _PendingCall:
     hook: int = -1  # Python: index of the ctx in CA's hooks
     saved: tuple[Any, ...] = ()  # Python: saved tensors
     ctx: Any = None  # Python: the real ctx, for the report
+    reason: str = ""  # Python: why it runs opaque (python_policy="auto")
 
 
 _EXCLUDED = "excluded by enable(exclude=...)"
@@ -84,7 +85,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         self,
         compiler_fn: Callable[..., Any],
         exclude: frozenset[str] = frozenset(),
-        python_policy: str = pyctx.OPAQUE,
+        python_policy: str = pyctx.AUTO,
     ) -> None:
         super().__init__(compiler_fn)
         self.exclude = exclude
@@ -109,6 +110,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         self._pending: _PendingCall | None = None
         self._capture = report.begin_capture(self.id)
         self._nodes: list[opaque.NodeCapture] = []  # per opaque op, in slot order
+        self._dynamic_sources: list[str] = []  # ctx numbers of traced Python nodes
         return out
 
     @_disable
@@ -157,14 +159,21 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         if hasattr(ctx._forward_cls, "_aot_id"):
             return stock()  # torch's own compiled backward, not a user function
         name = ctx._forward_cls.__name__
-        reason = pyctx.stock_reason(
-            ctx, self.python_policy, maybe_backward_state_idx, opaque_object_indices
-        )
-        if reason is None and self._excluded(name):
-            reason = _EXCLUDED
-        if reason is not None:
-            report.python_node(self._capture, name, False, reason, ctx, backward_idx)
-            _compat.counters["ca_dynsaved"]["stock_nodes"] += 1
+        if self._excluded(name):
+            handling, reason = pyctx.STOCK, _EXCLUDED
+        else:
+            handling, reason = pyctx.decide(
+                ctx, self.python_policy, maybe_backward_state_idx, opaque_object_indices,
+                saved_tensors, tuple(m is not None for m in output_metadatas),
+            )
+        if handling != pyctx.OPAQUE:
+            report.python_node(self._capture, name, handling, reason, ctx, backward_idx)
+            if handling == pyctx.TRACED:
+                # Stock tracing, with the ctx numbers dynamic from the first compile.
+                self._dynamic_sources.extend(pyctx.dynamic_sources(ctx, backward_idx))
+                _compat.counters["ca_dynsaved"]["traced_python_nodes"] += 1
+            else:
+                _compat.counters["ca_dynsaved"]["stock_nodes"] += 1
             return stock()
         # One metadata per forward input, None where the input was not a tensor;
         # C++ keeps the backward's outputs at the tensor positions only.
@@ -179,6 +188,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             hook=backward_idx,
             saved=tuple(saved_tensors),
             ctx=ctx,
+            reason=reason,
         )
         return tuple(dummies)
 
@@ -199,7 +209,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             if pending.fn is not None:
                 self._report_cpp(pending.name, str(e), pending.args)
             else:
-                report.python_node(self._capture, pending.name, False, str(e), pending.ctx, pending.hook)
+                report.python_node(self._capture, pending.name, pyctx.STOCK, str(e), pending.ctx, pending.hook)
                 _compat.counters["ca_dynsaved"]["stock_nodes"] += 1
             traced = [t for t in pending.emit_stock() if t is not None]
             self.bind_objects_to_proxies(outputs, [self.to_proxy(t) for t in traced])
@@ -260,7 +270,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             op_args = (grads, tensors, *self._packed_scalar_proxies(), symints, key, slot)
             op = opaque.CPP_OP
         else:
-            report.python_node(self._capture, pending.name, True, "", pending.ctx, pending.hook)
+            report.python_node(self._capture, pending.name, pyctx.OPAQUE, pending.reason, pending.ctx, pending.hook)
             op_args = (grads, self.to_proxy(list(pending.saved)), symints, key, slot, pending.hook)
             op = opaque.PY_OP
         counters["opaque_nodes"] += 1
@@ -308,15 +318,18 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         runtime_wrapper, compiled_fn = super().end_capture(outputs)
         if log.isEnabledFor(logging.INFO):
             for node in self._capture.nodes:
-                what = "opaque" if node.opaque else f"stock ({node.reason})"
+                what = f"{node.handling} ({node.reason})" if node.reason else node.handling
                 keys = ", ".join(f"{k}: {t}" for k, t in zip(node.keys, node.kinds))
                 log.info("capture !%d: %s %s; saved %s", self.id, node.name, what, keys or "nothing")
             log.debug("capture !%d graph:\n%s", self.id, self._graph_module.code)
+        # Before Dynamo's first compile of the graph, which its first call makes.
+        _compat.mark_dynamic_scalars(self._graph_module.forward.__code__, self._dynamic_sources)
         if not self._nodes and not self._capture.observes:
             return runtime_wrapper, compiled_fn
         kinds = self._scalar_kinds if self._packed_proxies is not None else None
         wrapper = runtime.make_runtime_wrapper(
-            runtime_wrapper, self._graph_module, kinds, self._nodes, self._capture, self.compiler_fn
+            runtime_wrapper, self._graph_module, kinds, self._nodes, self._capture,
+            self.compiler_fn, tuple(self._dynamic_sources),
         )
         return wrapper, compiled_fn
 

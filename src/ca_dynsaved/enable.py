@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
@@ -47,6 +48,14 @@ def _never_called() -> None:
     """What ``enable`` hands ``torch.compile`` to have it check its arguments."""
 
 
+@functools.lru_cache(maxsize=64)
+def _check(compile_: TorchCompile) -> None:
+    """Raise as ``torch.compile`` does for these arguments. About 1.5 ms (it copies
+    inductor's config), so once per distinct set: a training step may build its
+    ``enable`` at every step."""
+    torch.compile(_never_called, **compile_.kwargs())
+
+
 class enable(contextlib.ContextDecorator):
     """Compiled autograd with saved ints/floats of custom functions as dynamic inputs.
 
@@ -71,7 +80,7 @@ class enable(contextlib.ContextDecorator):
 
     ``exclude``: substrings of custom-function names (``"MyFunction"`` matches
     ``torch::autograd::CppNode<MyFunction>`` and a Python ``MyFunction``) whose
-    nodes keep stock behaviour. ``python_policy``: ``"opaque"`` or ``"stock"`` for
+    nodes keep stock behaviour. ``python_policy``: ``"auto"``, ``"opaque"`` or ``"stock"`` for
     Python ``autograd.Function`` nodes (see ``ca_dynsaved.pyctx``); None reads
     ``torch._dynamo.config.compiled_autograd_dynamic_saved_data_python_policy``.
     """
@@ -114,7 +123,7 @@ class enable(contextlib.ContextDecorator):
                 mode,
                 None if options is None else tuple(sorted(options.items())),
             )
-            torch.compile(_never_called, **compile_.kwargs())  # raises as torch.compile does
+            _check(compile_)
             self.compiler_fn = compile_
         # The capture's own `dynamic` (symbolic sizes): compiled_autograd._enable's
         # default unless asked.

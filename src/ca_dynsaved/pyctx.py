@@ -1,25 +1,36 @@
-"""Python ``autograd.Function`` ctx attributes: which nodes run opaque.
+"""Python ``autograd.Function`` nodes: traced with dynamic ctx numbers, opaque, or stock.
 
 Under stock CA a Python backward is traced by Dynamo with the ctx as graph input
-``hooks[i]``: reading ``ctx.k`` guards on it (an int recompiles once before
-automatic dynamic; a value passed to an op whose schema says ``int``/``float``
-recompiles on every new value). Policy ``"opaque"`` (the default) runs the
-backward of every function whose ctx holds a top-level int or float attribute
-(numpy scalars included) through ``ca_dynsaved::py_function`` with its real ctx:
-new values never recompile, at the price of the backward's ops not fusing with
-their neighbours. Functions whose ctx holds no int or float keep stock tracing, so
+``hooks[i]``: reading ``ctx.k`` guards on it (an int or float recompiles once before
+automatic dynamic makes it symbolic; a value passed to an op whose schema says
+``int``/``float`` recompiles on every new value). The policies:
+
+* ``"auto"`` (the default): a function whose ctx numbers only reach tensor math is
+  traced as stock CA traces it, with those numbers dynamic from the first compile
+  (``L['hooks'][i].<attr>`` seeded into Dynamo's automatic-dynamic state by
+  ``compiler.py``): one compile, and inductor fuses its backward. One that would
+  specialise on a number (``probe.py`` decides, once per function and ctx layout)
+  runs opaque, as under ``"opaque"``.
+* ``"opaque"``: every function whose ctx holds a top-level int or float (numpy
+  scalars included) runs its backward through ``ca_dynsaved::py_function`` with its
+  real ctx: new values never recompile; its ops do not fuse with their neighbours.
+* ``"stock"``: every Python function is left to stock CA.
+
+Under all three, a function whose ctx holds no int or float keeps stock tracing, so
 a bool or str attribute that picks a branch keeps its guard (one compile per
 value), and a tensor attribute stays a graph input.
-Policy ``"stock"`` leaves every Python function to stock CA.
 """
 
 from __future__ import annotations
 
-import numbers
-from typing import Any
+from typing import Any, Sequence
 
-OPAQUE, STOCK = "opaque", "stock"
-POLICIES = (OPAQUE, STOCK)
+from . import probe
+from .probe import is_number
+from .report import TRACED  # noqa: F401  (a node's handling, besides OPAQUE and STOCK)
+
+AUTO, OPAQUE, STOCK = "auto", "opaque", "stock"
+POLICIES = (AUTO, OPAQUE, STOCK)
 
 
 def check_policy(policy: str) -> str:
@@ -28,20 +39,39 @@ def check_policy(policy: str) -> str:
     return policy
 
 
+def decide(
+    ctx: Any,
+    policy: str,
+    backward_state_idx: Any,
+    opaque_object_indices: Any,
+    saved: Sequence[Any],
+    tensor_inputs: tuple[bool, ...],
+) -> tuple[str, str]:
+    """(handling, reason) for one Python node: ``STOCK``, ``OPAQUE`` or ``TRACED``.
+    ``saved``: its saved tensors at capture; ``tensor_inputs``: which forward inputs
+    were tensors."""
+    reason = stock_reason(ctx, policy, backward_state_idx, opaque_object_indices)
+    if reason is not None:
+        return STOCK, reason
+    if policy == OPAQUE:
+        return OPAQUE, ""
+    verdict = probe.verdict(ctx, saved, tensor_inputs)
+    return (TRACED if verdict.traced else OPAQUE), verdict.reason
+
+
+def dynamic_sources(ctx: Any, hook: int) -> list[str]:
+    """Dynamo's names of a traced node's ctx numbers (``L['hooks'][0].k``)."""
+    return [f"L['hooks'][{hook}].{name}" for name, value in vars(ctx).items() if is_number(value)]
+
+
 def stock_reason(ctx: Any, policy: str, backward_state_idx: Any, opaque_object_indices: Any) -> str | None:
-    """Why this Python node keeps stock behaviour, or None to run it opaque."""
+    """Why this Python node keeps stock behaviour, or None to decide by the policy."""
     if policy == STOCK:
         return 'python_policy="stock"'
     if getattr(ctx._forward_cls, "boxed_grads_call", False):
         return "boxed_grads_call, which CA does not support"
     if backward_state_idx is not None or opaque_object_indices:
         return "it uses a BackwardState or opaque objects"
-    if not any(_is_number(v) for v in vars(ctx).values()):
+    if not any(is_number(v) for v in vars(ctx).values()):
         return "no int or float ctx attribute (bools, strs and tensors keep stock tracing)"
     return None
-
-
-def _is_number(value: Any) -> bool:
-    """An int or float Dynamo would guard on: Python's (ints beyond int64, which stock
-    CA cannot compile, included) and numpy's scalars; not a bool, not a tensor."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from . import _compat
+from .probe import is_number
 
 #: Distinct values kept per key; more are counted (up to MAX_COUNTED), not kept.
 MAX_VALUES = 8
@@ -28,6 +29,8 @@ MAX_COUNTED = 1024
 MAX_CAPTURES = 256
 
 DYNAMIC, OPAQUE, REUSED, STOCK = "dynamic", "opaque", "reused", "stock"
+#: A Python function traced with its ctx numbers dynamic (pyctx.TRACED).
+TRACED = "traced-dynamic"
 
 
 @dataclass
@@ -51,7 +54,9 @@ class KeyReport:
         stock ctx attribute, a stock C++ int/float), the first compile and each
         recompile its guard caused; 0 for a value the plugin keeps out of guards."""
         guarded = self.handling == STOCK and (self.kind == "Python" or self.type in ("int", "float"))
-        return 1 + self.recompiles if guarded else 0
+        # A traced Python number the probe let through and Dynamo guarded after all.
+        missed = self.handling == DYNAMIC and self.kind == "Python" and self.recompiles > 0
+        return 1 + self.recompiles if guarded or missed else 0
 
     def see(self, value: Any) -> None:
         if any(_same(seen, value) for seen in self.values):
@@ -82,8 +87,9 @@ class FunctionReport:
     name: str
     kind: str  # "C++" or "Python"
     opaque: bool
-    reason: str  # why it kept stock behaviour ("" when opaque)
+    reason: str  # why it kept stock behaviour, or why a Python function runs as it does
     keys: dict[str, KeyReport] = field(default_factory=dict)
+    handling: str = ""  # "opaque", "stock" or (Python) "traced-dynamic"
 
 
 @dataclass(frozen=True)
@@ -91,10 +97,11 @@ class NodeRecord:
     """One custom-function node of one CA capture."""
 
     name: str
-    opaque: bool  # True: run through an opaque op; False: stock tracing
+    opaque: bool  # True: run through an opaque op; False: traced (stock or dynamic)
     keys: tuple[str, ...]  # saved_data keys, or ctx attribute names
     kinds: tuple[str, ...]  # per key: "int"/"float" (lifted, dynamic) or a type name
-    reason: str = ""  # why the node kept stock behaviour
+    reason: str = ""  # why the node kept stock behaviour, or runs as it does
+    handling: str = ""  # "opaque", "stock" or (Python) "traced-dynamic"
 
 
 @dataclass
@@ -172,11 +179,12 @@ def begin_capture(ca_id: int) -> CaptureRecord:
     return record
 
 
-def _function(name: str, kind: str, opaque: bool, reason: str) -> FunctionReport:
+def _function(name: str, kind: str, handling: str, reason: str) -> FunctionReport:
     function = _REPORT.functions.get(name)
-    if function is None or (function.opaque, function.reason) != (opaque, reason):
+    if function is None or (function.handling, function.reason) != (handling, reason):
         # A function's handling can change (options, policy): the newest wins.
-        function = _REPORT.functions[name] = FunctionReport(name, kind, opaque, reason)
+        function = FunctionReport(name, kind, handling == OPAQUE, reason, handling=handling)
+        _REPORT.functions[name] = function
     return function
 
 
@@ -197,7 +205,7 @@ def cpp_node(
 ) -> None:
     """A C++ node: ``saved`` maps each saved_data key to (type, value at capture,
     lifted scalar index or None)."""
-    function = _function(name, "C++", opaque, reason)
+    function = _function(name, "C++", OPAQUE if opaque else STOCK, reason)
     for key, (type_, value, lifted) in saved.items():
         if lifted is not None:
             entry = _key(function, key, type_, DYNAMIC if opaque else STOCK, reason)
@@ -205,26 +213,34 @@ def cpp_node(
         else:
             entry = _key(function, key, type_, REUSED if opaque else STOCK, reason)
         entry.see(value)
-    capture.nodes.append(
-        NodeRecord(name, opaque, tuple(saved), tuple(t for t, _, _ in saved.values()), reason)
-    )
+    kinds = tuple(t for t, _, _ in saved.values())
+    capture.nodes.append(NodeRecord(name, opaque, tuple(saved), kinds, reason, function.handling))
 
 
-def python_node(capture: CaptureRecord, name: str, opaque: bool, reason: str, ctx: Any, hook: int) -> None:
-    function = _function(name, "Python", opaque, reason)
+def python_node(capture: CaptureRecord, name: str, handling: str, reason: str, ctx: Any, hook: int) -> None:
+    """A Python node; ``handling``: OPAQUE, STOCK or TRACED (its ctx numbers dynamic)."""
+    function = _function(name, "Python", handling, reason)
     attributes = {k: v for k, v in vars(ctx).items() if not isinstance(v, torch.Tensor)}
     for key, value in attributes.items():
-        _key(function, key, type(value).__name__, OPAQUE if opaque else STOCK, reason).see(value)
+        key_handling = handling
+        if handling == TRACED:
+            key_handling = DYNAMIC if is_number(value) else STOCK
+        _key(function, key, type(value).__name__, key_handling, reason).see(value)
     if attributes:
         capture.hooks[hook] = function
-    capture.nodes.append(
-        NodeRecord(name, opaque, tuple(attributes), tuple(type(v).__name__ for v in attributes.values()), reason)
-    )
+    kinds = tuple(type(v).__name__ for v in attributes.values())
+    capture.nodes.append(NodeRecord(name, handling == OPAQUE, tuple(attributes), kinds, reason, handling))
 
 
 def _explain(kind: str, key: str, type_: str, handling: str, node_reason: str) -> tuple[str, str]:
     """(reason, fix) for one key."""
     scalar = type_ in ("int", "float")
+    if handling == DYNAMIC and kind == "Python":
+        return (
+            "traced with the backward, a symbolic number from the first compile (the "
+            "backward fuses with its neighbours)",
+            "",
+        )
     if handling == DYNAMIC:
         return "lifted by CA into the graph's scalars; the opaque op reads it at run time", ""
     if handling == REUSED:
@@ -251,7 +267,7 @@ def _explain(kind: str, key: str, type_: str, handling: str, node_reason: str) -
     if scalar:
         return (
             f"the function kept stock tracing ({node_reason}): Dynamo guards on ctx.{key}",
-            'use python_policy="opaque" and do not exclude the function',
+            'use python_policy="auto" or "opaque" and do not exclude the function',
         )
     return (
         f"the function kept stock tracing ({node_reason}): Dynamo guards on ctx.{key}, "
@@ -321,8 +337,10 @@ def format_table(rep: Report) -> str:
     rows = []
     notes = []
     for function in rep.functions.values():
+        if function.kind == "Python" and function.reason:
+            notes.append(f"{function.name}: {function.handling}, {function.reason}")
         if not function.keys:
-            rows.append((function.name, "-", "-", "opaque" if function.opaque else "stock", "-", "-"))
+            rows.append((function.name, "-", "-", function.handling, "-", "-"))
         for key in function.keys.values():
             values = ", ".join(f"{v:.6g}" if isinstance(v, float) else repr(v) for v in key.values)
             if key.more_values:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch._dynamo.utils import counters
 
-from . import opaque, reuse
+from . import _compat, opaque, reuse
 from .report import CaptureRecord
 
 
@@ -63,9 +63,12 @@ def make_runtime_wrapper(
     nodes: list[opaque.NodeCapture],
     record: CaptureRecord,
     compiler_fn: Callable[..., Any],
+    dynamic_sources: Sequence[str] = (),
 ) -> Callable[..., Any]:
     """Wrap CA's runtime wrapper for a captured graph with opaque ops for ``nodes``;
-    ``kinds`` (one per lifted scalar) when C++ opaque ops read packed scalars."""
+    ``kinds`` (one per lifted scalar) when C++ opaque ops read packed scalars;
+    ``dynamic_sources``: the scalars Dynamo must treat as dynamic (traced Python
+    ctx numbers), re-marked when the graph's code is regenerated."""
     kinds = None if kinds is None else tuple(kinds)
     compiled: list[Callable[..., Any]] = []  # set once every node has run
 
@@ -82,7 +85,8 @@ def make_runtime_wrapper(
                 )
             scalars = [*scalars, *pack(scalars, kinds)]
         if not compiled and all(node.defined is not None for node in nodes):
-            reuse.name_undefined_outputs(graph_module, nodes)
+            reuse.name_undefined_outputs(graph_module, nodes)  # new code: mark it again
+            _compat.mark_dynamic_scalars(graph_module.forward.__code__, dynamic_sources)
             fn, record.compiled = reuse.compiled_for(graph_module, compiled_fn, compiler_fn)
             compiled.append(fn)
             log.info("capture !%d: first run done; %s code", record.ca_id, record.compiled)

@@ -1,0 +1,22 @@
+"""Stock vs plugin on the elementwise model (fusion-sensitive): what an opaque node
+costs where inductor would fuse, and what tracing with dynamic ctx numbers gets back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import cases, run_model
+from models import COLS, ELEMENTWISE_VARIANTS, LAYERS, ROWS, Elementwise
+
+
+@pytest.mark.parametrize("variant,config", cases(ELEMENTWISE_VARIANTS))
+def test_elementwise(benchmark, bench_ext, full_run, record, variant, config):
+    torch.manual_seed(0)
+    model = Elementwise(variant, bench_ext)
+    x = torch.randn(ROWS, COLS)
+    result = run_model(benchmark, record, full_run, "elementwise", model, x, variant, config)
+    if config in ("plugin_varying", "plugin_opaque_varying", "stock_constant"):
+        assert (result["compiles"], result["captures"]) == (1, 1)
+    if config == "plugin_varying":
+        assert result["opaque_nodes"] == (0 if variant == "python" else LAYERS)

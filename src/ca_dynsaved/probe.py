@@ -1,0 +1,202 @@
+"""Would a Python backward specialise on its ctx numbers? A symbolic probe.
+
+Stock CA traces a Python backward with the ctx as a graph input (``hooks[i]``), and
+Dynamo guards whatever the backward needs to know about a ctx number. Tensor math
+(``g * ctx.k * ctx.scale``) needs nothing: with the number dynamic from the first
+compile, one graph serves every value and inductor fuses the backward with its
+neighbours. An op whose schema says ``int``/``float``, a branch, a size, ``int()``,
+``math.sqrt`` need the value itself: Dynamo guards it and recompiles per value. Such
+a function should run opaque instead (``pyctx``).
+
+The probe tells the two apart before Dynamo compiles: it runs the backward once on
+fake tensors of a private ShapeEnv, with a stand-in ctx whose int and float
+attributes are fresh symbols, and reads what that cost:
+
+* a guard (or a specialisation) on a symbol: the backward needs the value;
+* a symbolic float reaching an op the backends' tensorify pass cannot turn into a
+  tensor op: the backend would specialise it (``leaky_relu(g, s)``, ``g ** s``);
+* a read of any other attribute that is no tensor (a bool, a str, a tuple): Dynamo
+  guards it by value, and the plugin keeps today's one compile for such functions
+  by running them opaque.
+
+Its verdict is cached per function and ctx layout (attribute names and types), so
+a capture pays the probe (about 1-30 ms; 0.2 s for the first of a process) once. It
+is a forecast, not the safety net: if it misses a case, Dynamo's guards still keep
+the traced graph correct (it recompiles), and the report names the attribute and
+the guard. The backward really runs once more, on fake tensors: a Python side
+effect in it (a print, a counter) happens once more at that first capture.
+"""
+
+from __future__ import annotations
+
+import numbers
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from . import _compat
+
+#: Stand-in values for the symbols: not 0 or 1 (which would be specialised), odd,
+#: nothing a backward divides by zero with. The hints only pick which branch the
+#: probe walks; any guard on a symbol makes the verdict opaque whichever it is.
+_INT_HINT, _FLOAT_HINT = 7, 0.37
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a function's backward can be traced with its ctx numbers dynamic."""
+
+    traced: bool
+    reason: str  # what decided it, for the report and the log
+    attribute: str | None = None  # the attribute behind an opaque verdict
+
+
+_CACHE: dict[tuple[Any, ...], Verdict] = {}
+
+
+def clear() -> None:
+    _CACHE.clear()
+
+
+def cache_size() -> int:
+    return len(_CACHE)
+
+
+def verdict(ctx: Any, saved: Sequence[Any], tensor_inputs: tuple[bool, ...]) -> Verdict:
+    """The verdict for this node's function and ctx layout, probing on a miss.
+    ``saved`` are the capture's (fake) saved tensors of the call; ``tensor_inputs``
+    says which forward inputs were tensors (may get a gradient)."""
+    attributes = vars(ctx)
+    key = (
+        ctx._forward_cls,
+        tuple((name, type(value)) for name, value in attributes.items()),
+        tensor_inputs,
+        _compat.dynamo_specializes_floats(),
+    )
+    found = _CACHE.get(key)
+    if found is None:
+        _compat.counters["ca_dynsaved"]["probes"] += 1
+        found = _CACHE[key] = _decide(ctx, attributes, saved, tensor_inputs)
+    return found
+
+
+def _decide(
+    ctx: Any, attributes: dict[str, Any], saved: Sequence[Any], tensor_inputs: tuple[bool, ...]
+) -> Verdict:
+    numbers = {}
+    for name, value in attributes.items():
+        if not is_number(value):
+            continue
+        if type(value) is float:
+            if _compat.dynamo_specializes_floats():
+                return Verdict(
+                    False,
+                    f"ctx.{name} is a float and Dynamo specialises floats here "
+                    "(torch._inductor.config.triton.cudagraphs or specialize_float is on)",
+                    name,
+                )
+            numbers[name] = _FLOAT_HINT
+        elif type(value) is int and _INT64[0] <= value <= _INT64[1]:
+            numbers[name] = _INT_HINT
+        else:
+            what = "an int beyond int64" if type(value) is int else f"a {type(value).__module__}.{type(value).__name__}"
+            return Verdict(False, f"ctx.{name} is {what}, which Dynamo cannot make dynamic", name)
+    return _probe(ctx, numbers, saved, tensor_inputs)
+
+
+def is_number(value: Any) -> bool:
+    """An int or float Dynamo would guard on: Python's (ints beyond int64, which stock
+    CA cannot compile, included) and numpy's scalars; not a bool, not a tensor."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+class _StandIn:
+    """The ctx as the probe's backward sees it: the numbers are symbols, the saved
+    tensors fake, every other attribute read from the real ctx (and noted)."""
+
+    def __init__(self, real: Any, saved: list[Any], symbols: dict[str, Any]) -> None:
+        self.__dict__.update(symbols, saved_tensors=saved, _real=real, _reads=[])
+
+    def __getattr__(self, name: str) -> Any:
+        real = self.__dict__["_real"]
+        value = getattr(real, name)
+        if name in vars(real) and not isinstance(value, torch.Tensor):
+            self.__dict__["_reads"].append((name, value))
+        return value
+
+
+class _FloatUses(TorchDispatchMode):
+    """Notes each op a symbolic float depending on the probe's symbols reaches,
+    unless the tensorify pass can take it there."""
+
+    def __init__(self, symbols: dict[Any, str]) -> None:
+        super().__init__()
+        self.symbols = symbols
+        self.allowed = _compat.tensorifiable_ops()
+        self.found: list[tuple[str, Any]] = []  # (attribute, op)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func not in self.allowed:
+            for leaf in tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.SymFloat):
+                    for sym in leaf.node.expr.free_symbols:
+                        if sym in self.symbols:
+                            self.found.append((self.symbols[sym], func))
+        return func(*args, **kwargs)
+
+
+def _probe(
+    ctx: Any, numbers: dict[str, int | float], saved: Sequence[Any], tensor_inputs: tuple[bool, ...]
+) -> Verdict:
+    with _compat.outside_capture():
+        shape_env, fake_mode = _compat.symbolic_probe_mode()
+        values = {name: _compat.new_symbol(shape_env, f"ctx.{name}", hint) for name, hint in numbers.items()}
+        names = {value.node.expr: name for name, value in values.items()}
+        uses = _FloatUses(names)
+        with fake_mode, torch.no_grad():
+            stand_in = _StandIn(ctx, [_fake_like(t) for t in saved], values)
+            fake_grads = [
+                torch.empty(shape, dtype=dtype, device=device)
+                for shape, dtype, device in _compat.incoming_grad_metadata(ctx)
+            ]
+            try:
+                with uses:
+                    outs = ctx._forward_cls.backward(stand_in, *fake_grads)
+            except Exception as e:  # noqa: BLE001 - any failure: opaque, the safe side
+                return Verdict(False, f"the probe could not run its backward ({type(e).__name__}: {_first_line(e)})")
+    for sym, guard in _compat.guarded_symbols(shape_env):
+        if sym in names:
+            for other, name in names.items():  # the guard in the user's words
+                guard = re.sub(rf"\b{other}\b", f"ctx.{name}", guard)
+            return Verdict(False, f"ctx.{names[sym]} needs its value (guard {guard})", names[sym])
+    if uses.found:
+        name, op = uses.found[0]
+        return Verdict(False, f"ctx.{name} (a float) reaches {op}, which would specialise it", name)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    for i, out in enumerate(outs):
+        if out is not None and not (i < len(tensor_inputs) and tensor_inputs[i]):
+            # Eager's engine refuses it; stock CA would not: the opaque op raises as eager.
+            return Verdict(False, f"its backward returns a gradient for forward input {i}, which is no tensor")
+    if stand_in._reads:
+        name, value = stand_in._reads[0]
+        return Verdict(False, f"ctx.{name} (a {type(value).__name__}) is read: Dynamo guards its value", name)
+    if not numbers:
+        return Verdict(True, "no ctx numbers")
+    return Verdict(True, "its ctx numbers only reach tensor math: " + ", ".join(f"ctx.{n}" for n in numbers))
+
+
+def _fake_like(t: Any) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return t
+    sizes, strides = _compat.size_hints(t)
+    return torch.empty_strided(sizes, strides, dtype=t.dtype, device=t.device)
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]
