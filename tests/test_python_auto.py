@@ -173,6 +173,10 @@ def test_special_values_traced(backend):
         "k": ("dynamic", 0, 0),
         "scale": ("dynamic", 1, 2),
     }
+    assert "hooks[0].scale" in keys["scale"].guard
+    assert f"ScaleFn.scale: {keys['scale'].reason}; Dynamo recompiled on {keys['scale'].guard}" in str(
+        ca_dynsaved.report()
+    )
 
 
 def test_probe_runs_once_per_function_and_layout(ext):

@@ -88,9 +88,11 @@ def test_python_bool_report_says_two_compiles_and_why():
     assert row.split() == ["BranchFn", "flag", "bool", "stock", "2", "True,", "False"]
     data = json.loads(rep.to_json())
     (entry,) = data["functions"]
-    assert entry["keys"][0] | {"reason": "", "fix": ""} == {
+    assert "hooks[0].flag" in entry["keys"][0]["guard"]
+    assert entry["keys"][0] | {"reason": "", "fix": "", "guard": ""} == {
         "key": "flag", "kind": "Python", "type": "bool", "handling": "stock", "reason": "",
         "fix": "", "values": [True, False], "more_values": 0, "recompiles": 1, "compiles": 2,
+        "guard": "",
     }
 
 

@@ -46,6 +46,7 @@ class KeyReport:
     values: list[Any] = field(default_factory=list)  # distinct values seen, first MAX_VALUES
     more_values: int = 0  # distinct values seen beyond those (counted up to MAX_COUNTED)
     recompiles: int = 0  # Dynamo recompiles of CA graphs whose failed guard names it
+    guard: str = ""  # the newest such failed guard, as Dynamo reported it
     _more: set[str] = field(default_factory=set, repr=False, compare=False)
 
     @property
@@ -292,7 +293,7 @@ def _attribute_recompiles(rep: Report) -> None:
     """Count, for each key, Dynamo's recompiles of CA graphs whose failed guard names it."""
     for function in rep.functions.values():
         for key in function.keys.values():
-            key.recompiles = 0
+            key.recompiles, key.guard = 0, ""
     for metric in _compat.compilation_metrics():
         compile_id = str(metric.compile_id or "")
         reason = (metric.recompile_reason or "").split("\n", 1)[0]
@@ -311,12 +312,14 @@ def _attribute_recompiles(rep: Report) -> None:
         if match is None:
             continue
         hook, attribute, scalar = match.groups()
+        key = None
         if scalar is not None and int(scalar) in capture.scalars:
-            capture.scalars[int(scalar)].recompiles += 1
+            key = capture.scalars[int(scalar)]
         elif hook is not None and int(hook) in capture.hooks:
             key = capture.hooks[int(hook)].keys.get(attribute)
-            if key is not None:
-                key.recompiles += 1
+        if key is not None:
+            key.recompiles += 1
+            key.guard = reason.split(":", 1)[-1].split("#", 1)[0].strip()
 
 
 def report() -> Report:
@@ -346,7 +349,8 @@ def format_table(rep: Report) -> str:
             if key.more_values:
                 values += f", ... (+{key.more_values})"
             rows.append((function.name, key.key, key.type, key.handling, str(key.compiles), values))
-            notes.append(f"{function.name}.{key.key}: {key.reason}" + (f"; fix: {key.fix}" if key.fix else ""))
+            guard = f"; Dynamo recompiled on {key.guard}" if key.guard else ""
+            notes.append(f"{function.name}.{key.key}: {key.reason}{guard}" + (f"; fix: {key.fix}" if key.fix else ""))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
     lines.insert(1, "-" * len(lines[0]))
