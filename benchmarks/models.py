@@ -12,7 +12,9 @@ The activation is ``y = gain * x * sigmoid(beta * x)``, negated when ``flip``, w
 * ``cpp``: a C++ function saving beta (double) and gain (int), changing every step;
 * ``python``: a Python ``autograd.Function`` with ``ctx.beta`` / ``ctx.gain``;
 * ``hashed``: the C++ function with flip (bool) and mode (str) cycling through 4
-  combinations, beta and gain fixed.
+  combinations, beta and gain fixed;
+* ``cpp_sym`` (elementwise model only): a C++ function reading beta and gain with
+  ``toSymFloat()`` / ``toSymInt()``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ BUILD_DIR = Path(__file__).resolve().parent.parent / ".ext_build" / f"torch-{tor
 WIDTH, DEPTH, BATCH = 512, 4, 64
 VARIANTS = ("cpp", "python", "hashed")
 ROWS, COLS, LAYERS = 1024, 1024, 3
-ELEMENTWISE_VARIANTS = ("cpp", "python")
+ELEMENTWISE_VARIANTS = ("cpp", "cpp_sym", "python")
 
 CPP_SOURCE = r"""
 #include <torch/extension.h>
@@ -70,13 +72,36 @@ struct SchedAct : public Function<SchedAct> {
 at::Tensor sched_act(at::Tensor x, double beta, int64_t gain, bool flip, std::string mode) {
   return SchedAct::apply(x, beta, gain, flip, mode);
 }
+
+// The same sigmoid activation, its backward reading beta and gain with
+// toSymFloat() / toSymInt(), as upstream asks of C++ functions: the plugin traces it.
+struct SymSchedAct : public Function<SymSchedAct> {
+  static constexpr bool is_traceable = true;
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor x, double beta, int64_t gain) {
+    ctx->saved_data["beta"] = beta;
+    ctx->saved_data["gain"] = gain;
+    ctx->save_for_backward({x});
+    return x * at::sigmoid(x * beta) * static_cast<double>(gain);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    c10::SymFloat beta = ctx->saved_data["beta"].toSymFloat();
+    c10::SymInt gain = ctx->saved_data["gain"].toSymInt();
+    auto x = ctx->get_saved_variables()[0];
+    auto gate = at::sigmoid(x.mul(c10::Scalar(beta)));
+    auto dgate = gate.mul(c10::Scalar(beta)) * (1 - gate);
+    auto dx = (gate + x * dgate).mul(c10::Scalar(gain));
+    return {grad[0] * dx, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor sym_sched_act(at::Tensor x, double beta, int64_t gain) { return SymSchedAct::apply(x, beta, gain); }
 """
 
 
 def build_extension() -> ModuleType:
     os.makedirs(BUILD_DIR, exist_ok=True)
     return load_inline(
-        name="ca_dynsaved_bench_ext", cpp_sources=CPP_SOURCE, functions=["sched_act"],
+        name="ca_dynsaved_bench_ext", cpp_sources=CPP_SOURCE, functions=["sched_act", "sym_sched_act"],
         build_directory=str(BUILD_DIR),
     )
 
@@ -133,6 +158,8 @@ class Elementwise(torch.nn.Module):
             x = x * w + b
             if self.variant == "python":
                 x = PyAct.apply(x, beta, gain)
+            elif self.variant == "cpp_sym":
+                x = self.ext.sym_sched_act(x, beta, gain)
             else:
                 x = self.ext.sched_act(x, beta, gain, flip, mode)
         return x.square().mean()

@@ -33,7 +33,7 @@ def table(data: dict) -> str:
         rows = {(r["variant"], r["config"]): r for r in data["results"] if r.get("model", "mlp") == model}
         if not rows:
             continue
-        variants = sorted({v for v, _ in rows}, key=["cpp", "python", "hashed"].index)
+        variants = sorted({v for v, _ in rows}, key=["cpp", "cpp_sym", "python", "hashed"].index)
         lines += [
             "",
             f"Model: {title}.",

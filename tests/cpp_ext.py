@@ -2,7 +2,8 @@
 
 Each function exists twice: ``is_traceable = true`` (Dynamo fake-runs the backward
 under stock CA) and ``false`` (stock CA graph-breaks around it). The backward
-reads its saved values with plain ``toInt()`` / ``toDouble()``, as user code does.
+reads its saved values with plain ``toInt()`` / ``toDouble()``, as user code does,
+except ``SymScaleFn``'s, which reads them with ``toSymInt()`` / ``toSymFloat()``.
 """
 
 from __future__ import annotations
@@ -183,6 +184,49 @@ struct MatFn : public Function<MatFn<TRACE>> {
   }
 };
 
+// Reads its saved values with toSymInt() / toSymFloat(), as upstream asks of C++
+// functions: every use of them is visible to a tracer. MODE picks the backward:
+// 0 tensor math, 1 a branch on the int, 2 the double into leaky_relu (an op whose
+// Scalar argument no backend pass turns into a tensor).
+template <bool TRACE, int MODE>
+struct SymScaleFn : public Function<SymScaleFn<TRACE, MODE>> {
+  static constexpr bool is_traceable = TRACE;
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor x, int64_t a, double s, bool flag) {
+    ctx->saved_data["a"] = a;
+    ctx->saved_data["s"] = s;
+    if (flag) ctx->saved_data["flag"] = flag;  // only when asked: a hashed value
+    ctx->save_for_backward({x});
+    return x * x * s + x * static_cast<double>(a);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    c10::SymInt a = ctx->saved_data["a"].toSymInt();
+    c10::SymFloat s = ctx->saved_data["s"].toSymFloat();
+    auto x = ctx->get_saved_variables()[0];
+    at::Tensor gx;
+    if constexpr (MODE == 0) {
+      gx = g[0] * x.mul(c10::Scalar(s)).mul(2.0) + g[0] * c10::Scalar(a);
+    } else if constexpr (MODE == 1) {
+      gx = a > 2 ? g[0] * x.mul(c10::Scalar(s)).mul(2.0) : g[0] * c10::Scalar(a);
+    } else {
+      gx = at::leaky_relu(g[0], c10::Scalar(s)) + g[0] * c10::Scalar(a);
+    }
+    if (ctx->saved_data.find("flag") != ctx->saved_data.end()) gx = -gx;
+    return {gx, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor sym_scale_traceable(at::Tensor x, int64_t a, double s, bool flag) {
+  return SymScaleFn<true, 0>::apply(x, a, s, flag);
+}
+at::Tensor sym_scale_opaque(at::Tensor x, int64_t a, double s, bool flag) {
+  return SymScaleFn<false, 0>::apply(x, a, s, flag);
+}
+at::Tensor sym_branch_traceable(at::Tensor x, int64_t a, double s, bool flag) {
+  return SymScaleFn<true, 1>::apply(x, a, s, flag);
+}
+at::Tensor sym_leaky_traceable(at::Tensor x, int64_t a, double s, bool flag) {
+  return SymScaleFn<true, 2>::apply(x, a, s, flag);
+}
 at::Tensor throw_traceable(at::Tensor x, int64_t k) { return ThrowFn<true>::apply(x, k); }
 at::Tensor throw_opaque(at::Tensor x, int64_t k) { return ThrowFn<false>::apply(x, k); }
 at::Tensor mat_traceable(at::Tensor x, at::Tensor w, double s) { return MatFn<true>::apply(x, w, s); }
@@ -238,6 +282,10 @@ FUNCTIONS = [
     "throw_opaque",
     "mat_traceable",
     "mat_opaque",
+    "sym_scale_traceable",
+    "sym_scale_opaque",
+    "sym_branch_traceable",
+    "sym_leaky_traceable",
 ]
 
 

@@ -88,6 +88,22 @@ def test_cpp_lifted_ints_and_floats(ext, variant):
     search()
 
 
+def test_cpp_symbolic_reader_traced(ext):
+    """A C++ function reading toSymInt() / toSymFloat() is traced into the CA graph
+    (its double read from the packed float64 tensor, its int a dynamic graph input):
+    still bit-identical to eager over the extremes, one compile."""
+    step = _leaf_grad(lambda x, a, s: ext.sym_scale_traceable(x, a, s, False))
+
+    @SEARCH
+    @given(_steps(st.tuples(int64s, floats)))
+    def search(values_list):
+        _check_steps(step, values_list)
+        assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+
+    search()
+    assert {n.handling for n in ca_dynsaved.report().nodes} == {"traced-dynamic"}
+
+
 def test_cpp_bools_strings_and_hashed_doubles(ext):
     """Every new combination is a new CA capture (CA hashes these values); all of
     them run the code compiled once."""

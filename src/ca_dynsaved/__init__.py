@@ -19,7 +19,7 @@ from . import _compat  # noqa: F401  (version check first)
 
 import torch  # noqa: E402
 
-from . import opaque, probe, reuse  # noqa: E402
+from . import cpptrace, opaque, probe, reuse  # noqa: E402
 from ._install import CONFIG_FLAG, CONFIG_PYTHON_POLICY, install, uninstall  # noqa: E402
 from .enable import enable  # noqa: E402
 from .report import report, reset_report  # noqa: E402
@@ -44,6 +44,7 @@ def reset() -> None:
     torch._dynamo.reset()
     opaque.clear()
     probe.clear()
+    cpptrace.clear()
     reuse.clear()
     reset_report()
 

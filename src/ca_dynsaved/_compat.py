@@ -8,6 +8,7 @@ so the import-time version check can refuse a release nobody has tested.
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -257,11 +258,20 @@ def new_symbol(shape_env: Any, name: str, hint: int | float) -> Any:
     return create(sym, hint=hint, source=source)
 
 
-def guarded_symbols(shape_env: Any) -> list[tuple[Any, str]]:
-    """(symbol, guard text) for every symbol a guard or a specialisation names."""
-    found = [(sym, str(guard.expr)) for guard in shape_env.guards for sym in guard.expr.free_symbols]
+def guards_on(shape_env: Any, names: dict[Any, str]) -> list[tuple[str, str]]:
+    """(name, guard text) for each guard or specialisation of ``shape_env`` that
+    names one of the symbols in ``names`` (symbol -> name), the guard written with
+    those names."""
+    found = [(guard.expr, str(guard.expr)) for guard in shape_env.guards]
     found += [(sym, f"{sym} specialized to {value}") for sym, value in shape_env.replacements.items()]
-    return found
+    result = []
+    for expr, text in found:
+        named = [names[sym] for sym in expr.free_symbols if sym in names]
+        if named:
+            for sym, name in names.items():
+                text = re.sub(rf"\b{sym}\b", name, text)
+            result.append((named[0], text))
+    return result
 
 
 def size_hints(t: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -276,6 +286,28 @@ def incoming_grad_metadata(ctx: Any) -> list[tuple[torch.Size, torch.dtype, torc
     """(shape, dtype, device) of each gradient a Python node's backward receives.
     At capture, CA hands ``proxy_call_backward`` placeholders in their place."""
     return [(m.shape, m.dtype, m.device) for m in ctx._input_metadata]
+
+
+# c10::ScalarType order: the dtype codes of CA's metadata tuples.
+_SCALAR_TYPES = (
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+    torch.float32, torch.float64, torch.complex32, torch.complex64, torch.complex128,
+    torch.bool, torch.qint8, torch.quint8, torch.qint32, torch.bfloat16,
+)
+
+
+def tensor_from_variable_info(info: Sequence[Any], concrete: bool = False) -> torch.Tensor:
+    """An empty tensor as a C++ node's ``output_info`` entry describes a forward
+    output: ``(layout, device, dtype_code, sizes, requires_grad, is_empty)``, the
+    metadata of the gradient its backward receives. ``concrete``: the sizes'
+    hints instead of the capture's symbols (for a probe in another ShapeEnv)."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    layout, device, dtype, sizes = info[0], info[1], info[2], info[3]
+    if layout != 0 or not 0 <= dtype < len(_SCALAR_TYPES):
+        raise LayoutError(f"unsupported output layout {layout} / dtype code {dtype}")
+    sizes = [optimization_hint(s) for s in sizes] if concrete else list(sizes)
+    return torch.empty(sizes, dtype=_SCALAR_TYPES[dtype], device=device)
 
 
 def outside_capture() -> Any:

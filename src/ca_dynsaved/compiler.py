@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import _compat, opaque, pyctx, report, runtime
+from . import _compat, cpptrace, opaque, pyctx, report, runtime
 
 _disable = torch.compiler.disable
 #: TORCH_LOGS="ca_dynsaved" shows what the plugin did with each capture; "+ca_dynsaved"
@@ -107,10 +107,12 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             self._scalar_kinds.append(kind)
         self._packed_proxies: tuple[Any, Any] | None = None
         self._custom_fns: dict[str, Callable[..., Any]] = {}
+        self._traceable: set[str] = set()  # custom functions declaring is_traceable
         self._pending: _PendingCall | None = None
         self._capture = report.begin_capture(self.id)
         self._nodes: list[opaque.NodeCapture] = []  # per opaque op, in slot order
-        self._dynamic_sources: list[str] = []  # ctx numbers of traced Python nodes
+        self._dynamic_sources: list[str] = []  # numbers of traced nodes, as Dynamo names them
+        self._traced_floats = False  # a traced C++ node reads a lifted float
         return out
 
     @_disable
@@ -118,6 +120,8 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         name = super().bind_function(fn_name, fn, is_custom_function, is_traceable)
         if is_custom_function:
             self._custom_fns[name] = fn
+            if is_traceable:
+                self._traceable.add(name)
         return name
 
     @_disable
@@ -131,8 +135,18 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             return stock()
         name = _compat.cpp_node_name(args)
         if self._excluded(name):
-            self._report_cpp(name, _EXCLUDED, args)
+            self._report_cpp(name, report.STOCK, _EXCLUDED, args)
             return stock()
+        fn = self._custom_fns[fn_name]
+        if fn_name not in self._traceable:
+            verdict = cpptrace.Verdict(False, "not is_traceable: its backward is not traced")
+        else:
+            try:
+                verdict = cpptrace.verdict(name, fn, args, self._lifted)
+            except _compat.LayoutError as e:
+                verdict = cpptrace.Verdict(False, str(e))
+        if verdict.traced:
+            return self._trace_cpp(name, fn, grads, args, verdict.reason)
         with _compat.disable_proxy_modes_tracing():
             dummies = [self.allocate_dummy() for _ in output_metadata]
         self._pending = _PendingCall(
@@ -140,10 +154,27 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             grads=list(grads),
             dummies=dummies,
             emit_stock=stock,
-            fn=self._custom_fns[fn_name],
+            fn=fn,
             args=tuple(args),
+            reason=verdict.reason,
         )
         return dummies
+
+    def _trace_cpp(self, name: str, fn: Callable[..., Any], grads: Any, args: Any, reason: str) -> list[Any]:
+        """Record the C++ backward's ATen ops (see cpptrace); its lifted ints become
+        dynamic graph inputs, its floats are read from the packed float64 tensor."""
+        self._report_cpp(name, report.TRACED, reason, args)
+        _compat.counters["ca_dynsaved"]["traced_cpp_nodes"] += 1
+        _, values, _ = _compat.split_cpp_node_args(args)
+        for value in values:
+            index, _ = self._lifted_at[value.node]
+            if self._lifted[value.node][0] is opaque.INT:
+                self._dynamic_sources.append(f"L['scalars'][{index}]")
+            else:
+                self._traced_floats = True
+        if self._traced_floats:
+            self._packed_scalar_proxies()  # the packed tensors' nodes, before the ops
+        return cpptrace.trace(self, fn, grads, args)
 
     @_disable
     def proxy_call_backward(  # type: ignore[override]
@@ -207,7 +238,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             proxy_out = self._emit_opaque(pending, args[0])
         except _Unsupported as e:
             if pending.fn is not None:
-                self._report_cpp(pending.name, str(e), pending.args)
+                self._report_cpp(pending.name, report.STOCK, str(e), pending.args)
             else:
                 report.python_node(self._capture, pending.name, pyctx.STOCK, str(e), pending.ctx, pending.hook)
                 _compat.counters["ca_dynsaved"]["stock_nodes"] += 1
@@ -266,7 +297,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         counters = _compat.counters["ca_dynsaved"]
         grads = self.to_proxy(pending.grads)
         if pending.fn is not None:
-            self._report_cpp(pending.name, "", pending.args)
+            self._report_cpp(pending.name, report.OPAQUE, pending.reason, pending.args)
             op_args = (grads, tensors, *self._packed_scalar_proxies(), symints, key, slot)
             op = opaque.CPP_OP
         else:
@@ -285,8 +316,9 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
     def _excluded(self, name: str) -> bool:
         return any(pattern in name for pattern in self.exclude)
 
-    def _report_cpp(self, name: str, stock_reason: str, args: Sequence[Any]) -> None:
-        """Describe a C++ node to the report; ``stock_reason`` "" means opaque."""
+    def _report_cpp(self, name: str, handling: str, reason: str, args: Sequence[Any]) -> None:
+        """Describe a C++ node to the report: ``handling`` (opaque, traced or stock)
+        and why."""
         try:
             keys, values, _ = _compat.split_cpp_node_args(args)
         except _compat.LayoutError:
@@ -298,9 +330,9 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
                 saved[key] = (self._lifted[value.node][0], concrete, index)
             elif _is_hashed_constant(value):
                 saved[key] = (type(value).__name__, value, None)
-        report.cpp_node(self._capture, name, not stock_reason, stock_reason, saved)
+        report.cpp_node(self._capture, name, handling, reason, saved)
         counters = _compat.counters["ca_dynsaved"]
-        if stock_reason:
+        if handling == report.STOCK:
             counters["stock_nodes"] += 1
             return
         for type_, _, lifted in saved.values():
@@ -310,6 +342,14 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
                 counters["hashed_values"] += 1
 
     def create_graph_module(self, id: str) -> torch.fx.GraphModule:  # type: ignore[override]
+        if self._traced_floats:
+            float_index = {
+                index: self._lifted[node][1]
+                for node, (index, _) in self._lifted_at.items()
+                if self._lifted[node][0] is opaque.FLOAT
+            }
+            getitems = cpptrace.float_getitems(self.scalars_proxy.node, float_index)
+            cpptrace.rewrite_float_scalars(self.fx_tracer.graph, getitems, self._packed_scalar_proxies()[1].node)
         self._graph_module = super().create_graph_module(id)
         return self._graph_module
 

@@ -30,7 +30,6 @@ effect in it (a print, a counter) happens once more at that first capture.
 from __future__ import annotations
 
 import numbers
-import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -170,11 +169,8 @@ def _probe(
                     outs = ctx._forward_cls.backward(stand_in, *fake_grads)
             except Exception as e:  # noqa: BLE001 - any failure: opaque, the safe side
                 return Verdict(False, f"the probe could not run its backward ({type(e).__name__}: {_first_line(e)})")
-    for sym, guard in _compat.guarded_symbols(shape_env):
-        if sym in names:
-            for other, name in names.items():  # the guard in the user's words
-                guard = re.sub(rf"\b{other}\b", f"ctx.{name}", guard)
-            return Verdict(False, f"ctx.{names[sym]} needs its value (guard {guard})", names[sym])
+    for name, guard in _compat.guards_on(shape_env, {sym: f"ctx.{n}" for sym, n in names.items()}):
+        return Verdict(False, f"{name} needs its value (guard {guard})", name[4:])
     if uses.found:
         name, op = uses.found[0]
         return Verdict(False, f"ctx.{name} (a float) reaches {op}, which would specialise it", name)

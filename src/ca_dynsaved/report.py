@@ -192,7 +192,7 @@ def _function(name: str, kind: str, handling: str, reason: str) -> FunctionRepor
 def _key(function: FunctionReport, key: str, type_: str, handling: str, node_reason: str) -> KeyReport:
     entry = function.keys.get(key)
     if entry is None or (entry.type, entry.handling) != (type_, handling):
-        reason, fix = _explain(function.kind, key, type_, handling, node_reason)
+        reason, fix = _explain(function.kind, key, type_, handling, node_reason, function.handling == TRACED)
         entry = function.keys[key] = KeyReport(key, function.kind, type_, handling, reason, fix)
     return entry
 
@@ -200,13 +200,14 @@ def _key(function: FunctionReport, key: str, type_: str, handling: str, node_rea
 def cpp_node(
     capture: CaptureRecord,
     name: str,
-    opaque: bool,
+    handling: str,
     reason: str,
     saved: dict[str, tuple[str, Any, int | None]],
 ) -> None:
-    """A C++ node: ``saved`` maps each saved_data key to (type, value at capture,
-    lifted scalar index or None)."""
-    function = _function(name, "C++", OPAQUE if opaque else STOCK, reason)
+    """A C++ node (``handling``: OPAQUE, TRACED or STOCK): ``saved`` maps each
+    saved_data key to (type, value at capture, lifted scalar index or None)."""
+    function = _function(name, "C++", handling, reason)
+    opaque = handling != STOCK
     for key, (type_, value, lifted) in saved.items():
         if lifted is not None:
             entry = _key(function, key, type_, DYNAMIC if opaque else STOCK, reason)
@@ -214,6 +215,7 @@ def cpp_node(
         else:
             entry = _key(function, key, type_, REUSED if opaque else STOCK, reason)
         entry.see(value)
+    opaque = handling == OPAQUE
     kinds = tuple(t for t, _, _ in saved.values())
     capture.nodes.append(NodeRecord(name, opaque, tuple(saved), kinds, reason, function.handling))
 
@@ -233,9 +235,15 @@ def python_node(capture: CaptureRecord, name: str, handling: str, reason: str, c
     capture.nodes.append(NodeRecord(name, handling == OPAQUE, tuple(attributes), kinds, reason, handling))
 
 
-def _explain(kind: str, key: str, type_: str, handling: str, node_reason: str) -> tuple[str, str]:
-    """(reason, fix) for one key."""
+def _explain(kind: str, key: str, type_: str, handling: str, node_reason: str, traced: bool) -> tuple[str, str]:
+    """(reason, fix) for one key; ``traced``: its function is traced with the key dynamic."""
     scalar = type_ in ("int", "float")
+    if handling == DYNAMIC and traced and kind == "C++":
+        return (
+            "traced with the backward: an int is a symbolic graph input from the first "
+            "compile, a double is read from the packed float64 tensor",
+            "",
+        )
     if handling == DYNAMIC and kind == "Python":
         return (
             "traced with the backward, a symbolic number from the first compile (the "

@@ -75,7 +75,7 @@ def make_runtime_wrapper(
     @torch.compiler.disable
     def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
         record.observe(scalars, hooks)
-        if not nodes:  # only observed: stock graph, stock run
+        if not nodes and kinds is None:  # only observed: stock graph, stock run
             return runtime_wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
         if kinds is not None:
             if len(scalars) != len(kinds):
@@ -84,6 +84,8 @@ def make_runtime_wrapper(
                     f"called with {len(scalars)}"
                 )
             scalars = [*scalars, *pack(scalars, kinds)]
+        if not nodes:  # traced C++ nodes read the packed floats, nothing is opaque
+            return runtime_wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
         if not compiled and all(node.defined is not None for node in nodes):
             reuse.name_undefined_outputs(graph_module, nodes)  # new code: mark it again
             _compat.mark_dynamic_scalars(graph_module.forward.__code__, dynamic_sources)

@@ -1,0 +1,190 @@
+"""Tracing a C++ custom function's backward into the CA graph, saved numbers dynamic.
+
+Stock CA puts a traceable C++ function in the graph as one call that Dynamo
+fake-runs; a backward that reads its saved numbers with ``toSymInt()`` /
+``toSymFloat()`` gets symbols there, but Dynamo first compiles ints as constants
+(one recompile) and the backends' tensorify pass specialises a float that reaches
+``aten.mul.Scalar`` & co. (one compile per value). A backward that reads with
+``toInt()`` / ``toDouble()`` turns the symbol into a plain number: whatever it
+computes from it is invisible, and Dynamo guards the value.
+
+This module traces such a backward itself, at capture: it calls the C++ functional
+on fake tensors under the capture's modes, so its ATen ops land in the CA graph
+and inductor can fuse them. Sound only for symbolic readers, so first a probe
+(``verdict``, once per function and layout) runs the functional in a private
+ShapeEnv with fresh symbols for the lifted numbers:
+
+* a guard on a symbol means a plain read (``toInt()``, a branch, ``k % 2`` on an
+  int64_t): the node stays opaque;
+* a float symbol may only reach an op whose ``Scalar`` argument can become a 0-dim
+  tensor (``REWRITES``, on a floating-point tensor) or one the tensorify pass
+  takes; ``rewrite_float_scalars`` then feeds it the packed float64 tensor the
+  runtime wrapper already builds, so Dynamo never sees a Python float;
+* hashed saved values (bool, str, lists) keep the node opaque: traced, each new
+  value would be a new graph, while opaque captures share compiled code.
+
+Lifted ints used by traced nodes are marked dynamic for the graph's first compile
+(``_compat.mark_dynamic_scalars``, ``L['scalars'][i]``).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from . import _compat
+
+aten = torch.ops.aten
+#: ``X.Scalar`` overload -> ``X.Tensor`` overload taking the scalar (argument 1)
+#: as a 0-dim tensor: the same result for a floating-point ``self``.
+REWRITES = {
+    aten.mul.Scalar: aten.mul.Tensor,
+    aten.add.Scalar: aten.add.Tensor,
+    aten.sub.Scalar: aten.sub.Tensor,
+    aten.div.Scalar: aten.div.Tensor,
+    aten.pow.Tensor_Scalar: aten.pow.Tensor_Tensor,
+}
+_INT_HINT, _FLOAT_HINT = 7, 0.37
+
+
+@dataclass(frozen=True)
+class Verdict:
+    traced: bool
+    reason: str
+
+
+_CACHE: dict[tuple[Any, ...], Verdict] = {}
+
+
+def clear() -> None:
+    _CACHE.clear()
+
+
+def verdict(name: str, fn: Any, args: Sequence[Any], lifted: dict[Any, tuple[str, int]]) -> Verdict:
+    """May this C++ node be traced? ``args``: its CA call args; ``lifted``: the
+    capture's lifted symbols (symnode -> (kind, index))."""
+    keys, values, rest = _compat.split_cpp_node_args(args)
+    kinds = tuple(
+        lifted[v.node][0] if isinstance(v, (torch.SymInt, torch.SymFloat)) and v.node in lifted else type(v).__name__
+        for v in values
+    )
+    key = (name, tuple(keys), kinds)
+    found = _CACHE.get(key)
+    if found is None:
+        _compat.counters["ca_dynsaved"]["cpp_probes"] += 1
+        found = _CACHE[key] = _decide(fn, keys, values, rest, lifted)
+    return found
+
+
+def _decide(fn: Any, keys: list[str], values: list[Any], rest: list[Any], lifted: dict[Any, Any]) -> Verdict:
+    numbers = {}
+    for key, value in zip(keys, values):
+        if isinstance(value, (torch.SymInt, torch.SymFloat)) and value.node in lifted:
+            numbers[key] = _INT_HINT if isinstance(value, torch.SymInt) else _FLOAT_HINT
+        else:
+            return Verdict(False, f"saved '{key}' is hashed by CA (a {type(value).__name__}): opaque captures share code")
+    if not numbers:
+        return Verdict(False, "no saved ints or doubles")
+    saved, output_info = rest[0], rest[4]
+    with _compat.outside_capture():
+        shape_env, fake_mode = _compat.symbolic_probe_mode()
+        symbols = {key: _compat.new_symbol(shape_env, key, hint) for key, hint in numbers.items()}
+        names = {value.node.expr: key for key, value in symbols.items()}
+        uses = _FloatUses(names)
+        with fake_mode, torch.no_grad():
+            try:
+                grads = [_compat.tensor_from_variable_info(info, concrete=True) for info in output_info]
+                fake_saved = [_fake_like(t) for t in saved]
+                probe_args = [keys, *(symbols[k] for k in keys), fake_saved, *rest[1:]]
+                with uses:
+                    fn(grads, *probe_args)
+            except Exception as e:  # noqa: BLE001 - opaque, the safe side
+                return Verdict(False, f"the probe could not run its backward ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
+    for key, guard in _compat.guards_on(shape_env, names):
+        return Verdict(False, f"saved '{key}' is read as a plain number (guard {guard})")
+    if uses.refused:
+        key, op = uses.refused[0]
+        return Verdict(False, f"saved '{key}' (a double) reaches {op}, which would specialise it")
+    return Verdict(True, "reads its saved numbers symbolically (toSymInt/toSymFloat): " + ", ".join(sorted(numbers)))
+
+
+class _FloatUses(TorchDispatchMode):
+    """Notes a float symbol reaching an op neither rewritable nor tensorifiable."""
+
+    def __init__(self, symbols: dict[Any, str]) -> None:
+        super().__init__()
+        self.symbols = symbols
+        self.tensorifiable = _compat.tensorifiable_ops()
+        self.refused: list[tuple[str, Any]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        for i, leaf in enumerate(tree_leaves((args, kwargs))):
+            if not isinstance(leaf, torch.SymFloat):
+                continue
+            free = [self.symbols[s] for s in leaf.node.expr.free_symbols if s in self.symbols]
+            if not free:
+                continue
+            direct = leaf.node.expr in self.symbols
+            rewritable = (
+                func in REWRITES and direct and len(args) > 1 and args[1] is leaf
+                and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()
+            )
+            if not rewritable and func not in self.tensorifiable:
+                self.refused.append((free[0], func))
+        return func(*args, **kwargs)
+
+
+def _fake_like(t: Any) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return t
+    sizes, strides = _compat.size_hints(t)
+    return torch.empty_strided(sizes, strides, dtype=t.dtype, device=t.device)
+
+
+def trace(instance: Any, fn: Any, grads: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    """Call the functional under the capture's modes so its ATen ops are recorded;
+    the incoming grads (CA's placeholders) become fake tensors of the metadata the
+    forward recorded, bound to the grads' proxies."""
+    output_info = _compat.split_cpp_node_args(args)[2][4]
+    with _compat.disable_proxy_modes_tracing():
+        fake_grads = [_compat.tensor_from_variable_info(info) for info in output_info]
+    instance.bind_objects_to_proxies(fake_grads, [instance.to_proxy(g) for g in grads])
+    return list(fn(fake_grads, *args))
+
+
+def rewrite_float_scalars(graph: torch.fx.Graph, floats: dict[torch.fx.Node, int], packed: torch.fx.Node) -> int:
+    """``X.Scalar(t, scalars[j])`` -> ``X.Tensor(t, packed_floats[i])`` for each lifted
+    float ``j`` (``floats``: its getitem node -> index ``i`` in the packed tensor).
+    Returns how many calls it rewrote."""
+    rewritten = 0
+    selects: dict[int, torch.fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in REWRITES or len(node.args) < 2:
+            continue
+        scalar = node.args[1]
+        if not isinstance(scalar, torch.fx.Node) or scalar not in floats:
+            continue
+        index = floats[scalar]
+        if index not in selects:
+            with graph.inserting_after(packed):
+                selects[index] = graph.call_function(aten.select.int, (packed, 0, index))
+        node.target = REWRITES[node.target]
+        node.args = (node.args[0], selects[index], *node.args[2:])
+        rewritten += 1
+    return rewritten
+
+
+def float_getitems(scalars: torch.fx.Node, float_index: dict[int, int]) -> dict[torch.fx.Node, int]:
+    """Every ``scalars[j]`` node of a lifted float ``j`` -> its index in the packed
+    float64 tensor (``float_index``: j -> that index)."""
+    return {
+        n: float_index[n.args[1]]
+        for n in scalars.users
+        if n.op == "call_function" and n.target is operator.getitem and n.args[1] in float_index
+    }
