@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from . import _compat
+from .probe import fake_like, first_line
 
 aten = torch.ops.aten
 #: ``X.Scalar`` overload -> ``X.Tensor`` overload taking the scalar (argument 1)
@@ -99,12 +100,12 @@ def _decide(fn: Any, keys: list[str], values: list[Any], rest: list[Any], lifted
         with fake_mode, torch.no_grad():
             try:
                 grads = [_compat.tensor_from_variable_info(info, concrete=True) for info in output_info]
-                fake_saved = [_fake_like(t) for t in saved]
+                fake_saved = [fake_like(t) for t in saved]
                 probe_args = [keys, *(symbols[k] for k in keys), fake_saved, *rest[1:]]
                 with uses:
                     fn(grads, *probe_args)
             except Exception as e:  # noqa: BLE001 - opaque, the safe side
-                return Verdict(False, f"the probe could not run its backward ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
+                return Verdict(False, f"the probe could not run its backward ({type(e).__name__}: {first_line(e)})")
     for key, guard in _compat.guards_on(shape_env, names):
         return Verdict(False, f"saved '{key}' is read as a plain number (guard {guard})")
     if uses.refused:
@@ -138,13 +139,6 @@ class _FloatUses(TorchDispatchMode):
             if not rewritable and func not in self.tensorifiable:
                 self.refused.append((free[0], func))
         return func(*args, **kwargs)
-
-
-def _fake_like(t: Any) -> Any:
-    if not isinstance(t, torch.Tensor):
-        return t
-    sizes, strides = _compat.size_hints(t)
-    return torch.empty_strided(sizes, strides, dtype=t.dtype, device=t.device)
 
 
 def trace(instance: Any, fn: Any, grads: Sequence[Any], args: Sequence[Any]) -> list[Any]:

@@ -159,7 +159,7 @@ def _probe(
         names = {value.node.expr: name for name, value in values.items()}
         uses = _FloatUses(names)
         with fake_mode, torch.no_grad():
-            stand_in = _StandIn(ctx, [_fake_like(t) for t in saved], values)
+            stand_in = _StandIn(ctx, [fake_like(t) for t in saved], values)
             fake_grads = [
                 torch.empty(shape, dtype=dtype, device=device)
                 for shape, dtype, device in _compat.incoming_grad_metadata(ctx)
@@ -168,7 +168,7 @@ def _probe(
                 with uses:
                     outs = ctx._forward_cls.backward(stand_in, *fake_grads)
             except Exception as e:  # noqa: BLE001 - any failure: opaque, the safe side
-                return Verdict(False, f"the probe could not run its backward ({type(e).__name__}: {_first_line(e)})")
+                return Verdict(False, f"the probe could not run its backward ({type(e).__name__}: {first_line(e)})")
     for name, guard in _compat.guards_on(shape_env, {sym: f"ctx.{n}" for sym, n in names.items()}):
         return Verdict(False, f"{name} needs its value (guard {guard})", name[4:])
     if uses.found:
@@ -187,12 +187,14 @@ def _probe(
     return Verdict(True, "its ctx numbers only reach tensor math: " + ", ".join(f"ctx.{n}" for n in numbers))
 
 
-def _fake_like(t: Any) -> Any:
+def fake_like(t: Any) -> Any:
+    """A fake tensor of the probe's mode like capture tensor ``t``, concrete sizes."""
     if not isinstance(t, torch.Tensor):
         return t
     sizes, strides = _compat.size_hints(t)
     return torch.empty_strided(sizes, strides, dtype=t.dtype, device=t.device)
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
+    """An exception's first line, for a verdict's reason."""
     return (str(e).strip().splitlines() or [""])[0][:200]

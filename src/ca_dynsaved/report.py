@@ -348,7 +348,7 @@ def format_table(rep: Report) -> str:
     rows = []
     notes = []
     for function in rep.functions.values():
-        if function.kind == "Python" and function.reason:
+        if function.reason:
             notes.append(f"{function.name}: {function.handling}, {function.reason}")
         if not function.keys:
             rows.append((function.name, "-", "-", function.handling, "-", "-"))
@@ -357,7 +357,7 @@ def format_table(rep: Report) -> str:
             if key.more_values:
                 values += f", ... (+{key.more_values})"
             rows.append((function.name, key.key, key.type, key.handling, str(key.compiles), values))
-            guard = f"; Dynamo recompiled on {key.guard}" if key.guard else ""
+            guard = f"; Dynamo recompiled on {key.guard}" if key.guard and key.compiles else ""
             notes.append(f"{function.name}.{key.key}: {key.reason}{guard}" + (f"; fix: {key.fix}" if key.fix else ""))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
