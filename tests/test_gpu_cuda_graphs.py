@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(
 
 DEVICE = "cuda"
 STEPS = 12
-KINDS = ("cpp", "python_opaque", "python_traced")
+KINDS = ("cpp", "cpp_traced", "python_opaque", "python_traced")
 #: backend label -> torch.compile mode
 MODES = {"inductor": None, "reduce-overhead": "reduce-overhead"}
 _OUTCOMES: dict[str, Any] = {}
@@ -65,6 +65,8 @@ def _model_step(ext, kind: str, vary: bool) -> Callable[[int], tuple[torch.Tenso
         h = (x * w).sin()
         if kind == "cpp":  # opaque: a C++ function reading toInt()/toDouble()
             h = ext.scale_traceable(h, *scale_args(j))
+        elif kind == "cpp_traced":  # traced: toSymInt()/toSymFloat(), packed double on the CPU
+            h = ext.sym_scale_traceable(h, j + 2, 0.5 - j / 8, False)
         elif kind == "python_opaque":  # opaque: a float-schema op in its backward
             h = pool(h, 0.25 + j / 2, j + 1)
         else:  # traced, its ctx numbers dynamic (a float tensorified by the backend)

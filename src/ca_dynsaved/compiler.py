@@ -168,10 +168,11 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         _, values, _ = _compat.split_cpp_node_args(args)
         for value in values:
             index, _ = self._lifted_at[value.node]
-            if self._lifted[value.node][0] is opaque.INT:
-                self._dynamic_sources.append(f"L['scalars'][{index}]")
-            else:
-                self._traced_floats = True
+            # Dynamic from the first compile: an int, and a double that reaches an op
+            # the backend tensorifies (one the rewrite feeds from the packed tensor is
+            # never read by Dynamo at all).
+            self._dynamic_sources.append(f"L['scalars'][{index}]")
+            self._traced_floats |= self._lifted[value.node][0] is opaque.FLOAT
         if self._traced_floats:
             self._packed_scalar_proxies()  # the packed tensors' nodes, before the ops
         return cpptrace.trace(self, fn, grads, args)
