@@ -314,8 +314,6 @@ def outside_capture() -> Any:
     """Leave the capture's fake and proxy modes for a block (the probe's own fake
     tensors must not be traced into the CA graph), and its suppression of guards,
     which is thread-wide: the probe's ShapeEnv must record every guard."""
-    import contextlib
-
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     stack = contextlib.ExitStack()

@@ -30,15 +30,12 @@ Lifted ints used by traced nodes are marked dynamic for the graph's first compil
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from . import _compat
-from .probe import fake_like, first_line
+from .probe import FLOAT_HINT, INT_HINT, Verdict, fake_like, first_line, run_symbolic
 
 aten = torch.ops.aten
 #: ``X.Scalar`` overload -> ``X.Tensor`` overload taking the scalar (argument 1)
@@ -50,14 +47,6 @@ REWRITES = {
     aten.div.Scalar: aten.div.Tensor,
     aten.pow.Tensor_Scalar: aten.pow.Tensor_Tensor,
 }
-_INT_HINT, _FLOAT_HINT = 7, 0.37
-
-
-@dataclass(frozen=True)
-class Verdict:
-    traced: bool
-    reason: str
-
 
 _CACHE: dict[tuple[Any, ...], Verdict] = {}
 
@@ -86,59 +75,34 @@ def _decide(fn: Any, keys: list[str], values: list[Any], rest: list[Any], lifted
     numbers = {}
     for key, value in zip(keys, values):
         if isinstance(value, (torch.SymInt, torch.SymFloat)) and value.node in lifted:
-            numbers[key] = _INT_HINT if isinstance(value, torch.SymInt) else _FLOAT_HINT
+            numbers[key] = INT_HINT if isinstance(value, torch.SymInt) else FLOAT_HINT
         else:
             return Verdict(False, f"saved '{key}' is hashed by CA (a {type(value).__name__}): opaque captures share code")
     if not numbers:
         return Verdict(False, "no saved ints or doubles")
     saved, output_info = rest[0], rest[4]
-    with _compat.outside_capture():
-        shape_env, fake_mode = _compat.symbolic_probe_mode()
-        symbols = {key: _compat.new_symbol(shape_env, key, hint) for key, hint in numbers.items()}
-        names = {value.node.expr: key for key, value in symbols.items()}
-        uses = _FloatUses(names)
-        with fake_mode, torch.no_grad():
-            try:
-                grads = [_compat.tensor_from_variable_info(info, concrete=True) for info in output_info]
-                fake_saved = [fake_like(t) for t in saved]
-                probe_args = [keys, *(symbols[k] for k in keys), fake_saved, *rest[1:]]
-                with uses:
-                    fn(grads, *probe_args)
-            except Exception as e:  # noqa: BLE001 - opaque, the safe side
-                return Verdict(False, f"the probe could not run its backward ({type(e).__name__}: {first_line(e)})")
-    for key, guard in _compat.guards_on(shape_env, names):
+
+    def backward(symbols: dict[str, Any]) -> Any:
+        grads = [_compat.tensor_from_variable_info(info, concrete=True) for info in output_info]
+        return fn(grads, keys, *(symbols[k] for k in keys), [fake_like(t) for t in saved], *rest[1:])
+
+    def rewritable(func: Any, args: tuple[Any, ...], leaf: Any) -> bool:
+        """The float itself as the Scalar of an ``X.Scalar`` op on a floating tensor."""
+        return (
+            func in REWRITES and len(args) > 1 and args[1] is leaf and leaf.node.expr.is_Symbol
+            and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()
+        )
+
+    probed = run_symbolic(numbers, backward, rewritable)
+    if probed.error is not None:
+        e = probed.error
+        return Verdict(False, f"the probe could not run its backward ({type(e).__name__}: {first_line(e)})")
+    for key, guard in probed.guards:
         return Verdict(False, f"saved '{key}' is read as a plain number (guard {guard})")
-    if uses.refused:
-        key, op = uses.refused[0]
+    if probed.float_uses:
+        key, op = probed.float_uses[0]
         return Verdict(False, f"saved '{key}' (a double) reaches {op}, which would specialise it")
     return Verdict(True, "reads its saved numbers symbolically (toSymInt/toSymFloat): " + ", ".join(sorted(numbers)))
-
-
-class _FloatUses(TorchDispatchMode):
-    """Notes a float symbol reaching an op neither rewritable nor tensorifiable."""
-
-    def __init__(self, symbols: dict[Any, str]) -> None:
-        super().__init__()
-        self.symbols = symbols
-        self.tensorifiable = _compat.tensorifiable_ops()
-        self.refused: list[tuple[str, Any]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        for i, leaf in enumerate(tree_leaves((args, kwargs))):
-            if not isinstance(leaf, torch.SymFloat):
-                continue
-            free = [self.symbols[s] for s in leaf.node.expr.free_symbols if s in self.symbols]
-            if not free:
-                continue
-            direct = leaf.node.expr in self.symbols
-            rewritable = (
-                func in REWRITES and direct and len(args) > 1 and args[1] is leaf
-                and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()
-            )
-            if not rewritable and func not in self.tensorifiable:
-                self.refused.append((free[0], func))
-        return func(*args, **kwargs)
 
 
 def trace(instance: Any, fn: Any, grads: Sequence[Any], args: Sequence[Any]) -> list[Any]:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -42,13 +42,13 @@ from . import _compat
 #: Stand-in values for the symbols: not 0 or 1 (which would be specialised), odd,
 #: nothing a backward divides by zero with. The hints only pick which branch the
 #: probe walks; any guard on a symbol makes the verdict opaque whichever it is.
-_INT_HINT, _FLOAT_HINT = 7, 0.37
+INT_HINT, FLOAT_HINT = 7, 0.37
 _INT64 = (-(2**63), 2**63 - 1)
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """Whether a function's backward can be traced with its ctx numbers dynamic."""
+    """Whether a function's backward can be traced with its numbers dynamic."""
 
     traced: bool
     reason: str  # what decided it, for the report and the log
@@ -99,9 +99,9 @@ def _decide(
                     "(torch._inductor.config.triton.cudagraphs or specialize_float is on)",
                     name,
                 )
-            numbers[name] = _FLOAT_HINT
+            numbers[name] = FLOAT_HINT
         elif type(value) is int and _INT64[0] <= value <= _INT64[1]:
-            numbers[name] = _INT_HINT
+            numbers[name] = INT_HINT
         else:
             what = "an int beyond int64" if type(value) is int else f"a {type(value).__module__}.{type(value).__name__}"
             return Verdict(False, f"ctx.{name} is {what}, which Dynamo cannot make dynamic", name)
@@ -130,50 +130,84 @@ class _StandIn:
 
 
 class _FloatUses(TorchDispatchMode):
-    """Notes each op a symbolic float depending on the probe's symbols reaches,
-    unless the tensorify pass can take it there."""
+    """Notes each op a symbolic float depending on the run's symbols reaches, unless
+    the tensorify pass can take it there or ``allow(func, args, leaf)`` says so."""
 
-    def __init__(self, symbols: dict[Any, str]) -> None:
+    def __init__(self, symbols: dict[Any, str], allow: Callable[[Any, tuple[Any, ...], Any], bool]) -> None:
         super().__init__()
         self.symbols = symbols
-        self.allowed = _compat.tensorifiable_ops()
-        self.found: list[tuple[str, Any]] = []  # (attribute, op)
+        self.tensorifiable = _compat.tensorifiable_ops()
+        self.allow = allow
+        self.found: list[tuple[str, Any]] = []  # (symbol name, op)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func not in self.allowed:
+        if func not in self.tensorifiable:
             for leaf in tree_leaves((args, kwargs)):
-                if isinstance(leaf, torch.SymFloat):
+                if isinstance(leaf, torch.SymFloat) and not self.allow(func, args, leaf):
                     for sym in leaf.node.expr.free_symbols:
                         if sym in self.symbols:
                             self.found.append((self.symbols[sym], func))
         return func(*args, **kwargs)
 
 
+@dataclass
+class SymbolicRun:
+    """What running a backward on symbols cost (``run_symbolic``)."""
+
+    result: Any  # what ``run`` returned (None if it raised)
+    error: Exception | None  # what it raised
+    guards: list[tuple[str, str]]  # (symbol name, guard in the symbols' names)
+    float_uses: list[tuple[str, Any]]  # (symbol name, op) a float reached, refused
+
+
+def run_symbolic(
+    hints: dict[str, int | float],
+    run: Callable[[dict[str, Any]], Any],
+    allow: Callable[[Any, tuple[Any, ...], Any], bool] = lambda func, args, leaf: False,
+) -> SymbolicRun:
+    """Call ``run(symbols)`` in a private world: outside the capture's modes, under a
+    fake mode over a fresh ShapeEnv (tensors ``run`` makes are fake), ``symbols``
+    fresh SymInts / SymFloats named and hinted as in ``hints``. Report the guards it
+    cost and each op a symbolic float reached that neither the tensorify pass nor
+    ``allow`` takes. The probes of Python (here) and C++ (``cpptrace``) backwards."""
+    with _compat.outside_capture():
+        shape_env, fake_mode = _compat.symbolic_probe_mode()
+        symbols = {name: _compat.new_symbol(shape_env, name, hint) for name, hint in hints.items()}
+        names = {value.node.expr: name for name, value in symbols.items()}
+        uses = _FloatUses(names, allow)
+        result, error = None, None
+        with fake_mode, torch.no_grad():
+            try:
+                with uses:
+                    result = run(symbols)
+            except Exception as e:  # noqa: BLE001 - the caller decides: opaque, the safe side
+                error = e
+    return SymbolicRun(result, error, _compat.guards_on(shape_env, names), uses.found)
+
+
 def _probe(
     ctx: Any, numbers: dict[str, int | float], saved: Sequence[Any], tensor_inputs: tuple[bool, ...]
 ) -> Verdict:
-    with _compat.outside_capture():
-        shape_env, fake_mode = _compat.symbolic_probe_mode()
-        values = {name: _compat.new_symbol(shape_env, f"ctx.{name}", hint) for name, hint in numbers.items()}
-        names = {value.node.expr: name for name, value in values.items()}
-        uses = _FloatUses(names)
-        with fake_mode, torch.no_grad():
-            stand_in = _StandIn(ctx, [fake_like(t) for t in saved], values)
-            fake_grads = [
-                torch.empty(shape, dtype=dtype, device=device)
-                for shape, dtype, device in _compat.incoming_grad_metadata(ctx)
-            ]
-            try:
-                with uses:
-                    outs = ctx._forward_cls.backward(stand_in, *fake_grads)
-            except Exception as e:  # noqa: BLE001 - any failure: opaque, the safe side
-                return Verdict(False, f"the probe could not run its backward ({type(e).__name__}: {first_line(e)})")
-    for name, guard in _compat.guards_on(shape_env, {sym: f"ctx.{n}" for sym, n in names.items()}):
+    def backward(symbols: dict[str, Any]) -> tuple[_StandIn, Any]:
+        values = {name.removeprefix("ctx."): value for name, value in symbols.items()}
+        stand_in = _StandIn(ctx, [fake_like(t) for t in saved], values)
+        fake_grads = [
+            torch.empty(shape, dtype=dtype, device=device)
+            for shape, dtype, device in _compat.incoming_grad_metadata(ctx)
+        ]
+        return stand_in, ctx._forward_cls.backward(stand_in, *fake_grads)
+
+    probed = run_symbolic({f"ctx.{name}": hint for name, hint in numbers.items()}, backward)
+    if probed.error is not None:
+        e = probed.error
+        return Verdict(False, f"the probe could not run its backward ({type(e).__name__}: {first_line(e)})")
+    for name, guard in probed.guards:
         return Verdict(False, f"{name} needs its value (guard {guard})", name[4:])
-    if uses.found:
-        name, op = uses.found[0]
-        return Verdict(False, f"ctx.{name} (a float) reaches {op}, which would specialise it", name)
+    if probed.float_uses:
+        name, op = probed.float_uses[0]
+        return Verdict(False, f"{name} (a float) reaches {op}, which would specialise it", name[4:])
+    stand_in, outs = probed.result
     outs = outs if isinstance(outs, tuple) else (outs,)
     for i, out in enumerate(outs):
         if out is not None and not (i < len(tensor_inputs) and tensor_inputs[i]):

@@ -207,17 +207,16 @@ def cpp_node(
     """A C++ node (``handling``: OPAQUE, TRACED or STOCK): ``saved`` maps each
     saved_data key to (type, value at capture, lifted scalar index or None)."""
     function = _function(name, "C++", handling, reason)
-    opaque = handling != STOCK
+    plugin = handling != STOCK  # opaque or traced: the plugin handles its values
     for key, (type_, value, lifted) in saved.items():
         if lifted is not None:
-            entry = _key(function, key, type_, DYNAMIC if opaque else STOCK, reason)
+            entry = _key(function, key, type_, DYNAMIC if plugin else STOCK, reason)
             capture.scalars[lifted] = entry
         else:
-            entry = _key(function, key, type_, REUSED if opaque else STOCK, reason)
+            entry = _key(function, key, type_, REUSED if plugin else STOCK, reason)
         entry.see(value)
-    opaque = handling == OPAQUE
     kinds = tuple(t for t, _, _ in saved.values())
-    capture.nodes.append(NodeRecord(name, opaque, tuple(saved), kinds, reason, function.handling))
+    capture.nodes.append(NodeRecord(name, handling == OPAQUE, tuple(saved), kinds, reason, handling))
 
 
 def python_node(capture: CaptureRecord, name: str, handling: str, reason: str, ctx: Any, hook: int) -> None:

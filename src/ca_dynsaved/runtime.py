@@ -75,8 +75,6 @@ def make_runtime_wrapper(
     @torch.compiler.disable
     def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
         record.observe(scalars, hooks)
-        if not nodes and kinds is None:  # only observed: stock graph, stock run
-            return runtime_wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
         if kinds is not None:
             if len(scalars) != len(kinds):
                 raise RuntimeError(
@@ -84,7 +82,8 @@ def make_runtime_wrapper(
                     f"called with {len(scalars)}"
                 )
             scalars = [*scalars, *pack(scalars, kinds)]
-        if not nodes:  # traced C++ nodes read the packed floats, nothing is opaque
+        if not nodes:  # nothing opaque: the graph as captured (traced C++ nodes may
+            # read the packed floats)
             return runtime_wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
         if not compiled and all(node.defined is not None for node in nodes):
             reuse.name_undefined_outputs(graph_module, nodes)  # new code: mark it again
