@@ -5,6 +5,9 @@ change (``stock_constant``, the floor) and that change every step
 (``stock_varying``); the plugin with values changing (``plugin_varying``), and, for
 Python functions, the plugin with ``python_policy="opaque"`` (``plugin_opaque_varying``:
 what tracing with dynamic ctx numbers gains over running the backward opaque).
+The ``cpp_direct`` variant's plugin configs opt it in with ``trace_cpp``:
+``plugin_varying`` verifies each new value (the default), ``plugin_trust_varying``
+does not (``verify=False``): their difference is verify's cost per new value.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from typing import Any, Callable
 import torch
 
 import ca_dynsaved
-from models import values
+from models import TRACE_CPP, values
 
-CONFIGS = ("eager", "stock_constant", "stock_varying", "plugin_varying", "plugin_opaque_varying")
+CONFIGS = ("eager", "stock_constant", "stock_varying", "plugin_varying", "plugin_opaque_varying", "plugin_trust_varying")
+#: Configs that only concern one variant.
+ONLY = {"plugin_opaque_varying": "python", "plugin_trust_varying": "cpp_direct"}
 #: Steady-state passes: the step time is the smallest of their medians (this
 #: machine is noisy; the minimum is the least disturbed pass).
 PASSES = 3
@@ -28,16 +33,17 @@ PASSES = 3
 
 def cases(variants: tuple[str, ...]) -> list[tuple[str, str]]:
     """(variant, config) pairs: python_policy only concerns Python functions."""
-    return [(v, c) for v in variants for c in CONFIGS if c != "plugin_opaque_varying" or v == "python"]
+    return [(v, c) for v in variants for c in CONFIGS if ONLY.get(c, v) == v]
 
 
-def context(config: str, backend: str) -> contextlib.AbstractContextManager[Any]:
+def context(config: str, backend: str, variant: str = "") -> contextlib.AbstractContextManager[Any]:
     if config == "eager":
         return contextlib.nullcontext()
     if config == "plugin_opaque_varying":
         return ca_dynsaved.enable(backend=backend, python_policy="opaque")
     if config.startswith("plugin"):
-        return ca_dynsaved.enable(backend=backend)
+        trace_cpp = TRACE_CPP if variant == "cpp_direct" else ()
+        return ca_dynsaved.enable(backend=backend, trace_cpp=trace_cpp, verify=config != "plugin_trust_varying")
     return torch._dynamo.compiled_autograd._enable(lambda gm: torch.compile(gm, backend=backend))
 
 
@@ -48,6 +54,7 @@ def train(
     steps: int,
     backend: str,
     first: int = 0,
+    variant: str = "",
 ) -> list[float]:
     """Seconds of each step (forward, backward, no optimizer); ``loss_fn(step,
     varying)`` runs the forward."""
@@ -57,7 +64,7 @@ def train(
             p.grad = None
         start = time.perf_counter()
         loss = loss_fn(step, config.endswith("varying"))
-        with context(config, backend):
+        with context(config, backend, variant):
             loss.backward()
         times.append(time.perf_counter() - start)
     return times
@@ -74,12 +81,15 @@ def measure(
     """Total of the first steps (compiles included), then the steady step time."""
     steps, steady_steps, backend = (50, 30, "inductor") if full_run else (8, 3, "aot_eager")
     times: list[float] = []
-    benchmark.pedantic(lambda: times.extend(train(loss_fn, params, config, steps, backend)), rounds=1, iterations=1)
+    variant = labels.get("variant", "")
+    benchmark.pedantic(
+        lambda: times.extend(train(loss_fn, params, config, steps, backend, variant=variant)), rounds=1, iterations=1
+    )
     passes = []
     for n in range(PASSES):
         gc.collect()
         first = steps + n * steady_steps
-        passes.append(statistics.median(train(loss_fn, params, config, steady_steps, backend, first)))
+        passes.append(statistics.median(train(loss_fn, params, config, steady_steps, backend, first, variant)))
     counters = torch._dynamo.utils.counters
     result = {
         **labels,

@@ -14,7 +14,9 @@ The activation is ``y = gain * x * sigmoid(beta * x)``, negated when ``flip``, w
 * ``hashed``: the C++ function with flip (bool) and mode (str) cycling through 4
   combinations, beta and gain fixed;
 * ``cpp_sym`` (elementwise model only): a C++ function reading beta and gain with
-  ``toSymFloat()`` / ``toSymInt()``.
+  ``toSymFloat()`` / ``toSymInt()``;
+* ``cpp_direct`` (elementwise model only): the same read with ``toDouble()`` /
+  ``toInt()`` and used only as op arguments, opted in with ``trace_cpp``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ BUILD_DIR = Path(__file__).resolve().parent.parent / ".ext_build" / f"torch-{tor
 WIDTH, DEPTH, BATCH = 512, 4, 64
 VARIANTS = ("cpp", "python", "hashed")
 ROWS, COLS, LAYERS = 1024, 1024, 3
-ELEMENTWISE_VARIANTS = ("cpp", "cpp_sym", "python")
+ELEMENTWISE_VARIANTS = ("cpp", "cpp_sym", "cpp_direct", "python")
+#: What enable(trace_cpp=...) names for the cpp_direct variant.
+TRACE_CPP = ("DirectSchedAct",)
 
 CPP_SOURCE = r"""
 #include <torch/extension.h>
@@ -73,9 +77,10 @@ at::Tensor sched_act(at::Tensor x, double beta, int64_t gain, bool flip, std::st
   return SchedAct::apply(x, beta, gain, flip, mode);
 }
 
-// The same sigmoid activation, its backward reading beta and gain with
-// toSymFloat() / toSymInt(), as upstream asks of C++ functions: the plugin traces it.
-struct SymSchedAct : public Function<SymSchedAct> {
+// The sigmoid activation's forward, shared by the two functions below, which
+// differ in how their backward reads beta and gain.
+template <typename Derived>
+struct SigmoidGate : public Function<Derived> {
   static constexpr bool is_traceable = true;
   static at::Tensor forward(AutogradContext* ctx, at::Tensor x, double beta, int64_t gain) {
     ctx->saved_data["beta"] = beta;
@@ -83,6 +88,11 @@ struct SymSchedAct : public Function<SymSchedAct> {
     ctx->save_for_backward({x});
     return x * at::sigmoid(x * beta) * static_cast<double>(gain);
   }
+};
+
+// Reads beta and gain with toSymFloat() / toSymInt(), as upstream asks of C++
+// functions: the plugin traces it.
+struct SymSchedAct : public SigmoidGate<SymSchedAct> {
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
     c10::SymFloat beta = ctx->saved_data["beta"].toSymFloat();
     c10::SymInt gain = ctx->saved_data["gain"].toSymInt();
@@ -95,13 +105,29 @@ struct SymSchedAct : public Function<SymSchedAct> {
 };
 
 at::Tensor sym_sched_act(at::Tensor x, double beta, int64_t gain) { return SymSchedAct::apply(x, beta, gain); }
+
+// Reads them with plain toDouble() / toInt(), as most user code does, each number
+// used only as an op argument: enable(trace_cpp=...) traces it.
+struct DirectSchedAct : public SigmoidGate<DirectSchedAct> {
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    double beta = ctx->saved_data["beta"].toDouble();
+    int64_t gain = ctx->saved_data["gain"].toInt();
+    auto x = ctx->get_saved_variables()[0];
+    auto gate = at::sigmoid(x * beta);
+    auto dgate = gate * beta * (1 - gate);
+    auto dx = (gate + x * dgate) * static_cast<double>(gain);
+    return {grad[0] * dx, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor direct_sched_act(at::Tensor x, double beta, int64_t gain) { return DirectSchedAct::apply(x, beta, gain); }
 """
 
 
 def build_extension() -> ModuleType:
     os.makedirs(BUILD_DIR, exist_ok=True)
     return load_inline(
-        name="ca_dynsaved_bench_ext", cpp_sources=CPP_SOURCE, functions=["sched_act", "sym_sched_act"],
+        name="ca_dynsaved_bench_ext", cpp_sources=CPP_SOURCE, functions=["sched_act", "sym_sched_act", "direct_sched_act"],
         build_directory=str(BUILD_DIR),
     )
 
@@ -160,6 +186,8 @@ class Elementwise(torch.nn.Module):
                 x = PyAct.apply(x, beta, gain)
             elif self.variant == "cpp_sym":
                 x = self.ext.sym_sched_act(x, beta, gain)
+            elif self.variant == "cpp_direct":
+                x = self.ext.direct_sched_act(x, beta, gain)
             else:
                 x = self.ext.sched_act(x, beta, gain, flip, mode)
         return x.square().mean()

@@ -17,11 +17,11 @@ MODELS = {
     "mlp": "MLP 4x512, batch 64, 4 custom-function nodes (matmul-bound)",
     "elementwise": "elementwise, 3 layers of act(x * w + b) on 1024x1024, 3 custom-function nodes (fusion-sensitive)",
 }
-CONFIGS = ("eager", "stock_constant", "stock_varying", "plugin_varying", "plugin_opaque_varying")
+CONFIGS = ("eager", "stock_constant", "stock_varying", "plugin_varying", "plugin_opaque_varying", "plugin_trust_varying")
 
 
 def table(data: dict) -> str:
-    first = data["results"][0]
+    first = next(r for r in data["results"] if r.get("model") != "capture")
     lines = [
         f"Total: the first {first['steps']} steps, compiles included; steady: the smallest "
         f"of {first.get('passes', 3)} passes' median step, values still changing; backend "
@@ -33,7 +33,7 @@ def table(data: dict) -> str:
         rows = {(r["variant"], r["config"]): r for r in data["results"] if r.get("model", "mlp") == model}
         if not rows:
             continue
-        variants = sorted({v for v, _ in rows}, key=["cpp", "cpp_sym", "python", "hashed"].index)
+        variants = sorted({v for v, _ in rows}, key=["cpp", "cpp_sym", "cpp_direct", "python", "hashed"].index)
         lines += [
             "",
             f"Model: {title}.",
@@ -59,6 +59,31 @@ def table(data: dict) -> str:
                     f"{r['total_s'] / varying['total_s']:.2f} | {r['steady_us'] / floor['steady_us']:.2f} | "
                     f"{r['steady_us'] / varying['steady_us']:.2f} | {per_node} |"
                 )
+    captures = [r for r in data["results"] if r.get("model") == "capture"]
+    if captures:
+        lines += [
+            "",
+            "Capture cost: one compiled-autograd capture of the elementwise model's backward "
+            "(4x1024), stock against the plugin, which traces the C++ functions itself "
+            "(cpp_sym automatically, cpp_direct opted in with verify on) or probes the Python "
+            f"one; each from an empty CA cache, compiler = identity; min of {captures[0]['repeats']}.",
+            "",
+            "| variant | stock ms | plugin ms | plugin / stock | plugin's first capture ms |",
+            "|---|---|---|---|---|",
+        ]
+        for r in captures:
+            lines.append(
+                f"| {r['variant']} | {r['stock_ms']:.1f} | {r['plugin_ms']:.1f} | "
+                f"{r['plugin_ms'] / r['stock_ms']:.2f} | {r['plugin_first_ms']:.1f} |"
+            )
+    direct = {r["config"]: r for r in data["results"] if r.get("variant") == "cpp_direct" and r.get("model") == "elementwise"}
+    if "plugin_varying" in direct and "plugin_trust_varying" in direct:
+        cost = direct["plugin_varying"]["steady_us"] - direct["plugin_trust_varying"]["steady_us"]
+        lines += [
+            "",
+            f"verify's cost per new value (cpp_direct, 3 nodes, every step new): "
+            f"{cost:.0f} µs a step, {cost / 3:.0f} µs per node (plugin_varying - plugin_trust_varying, steady).",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -70,11 +95,11 @@ def plot(data: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    panels = sorted({(r.get("model", "mlp"), r["variant"]) for r in data["results"]})
+    panels = sorted({(r.get("model", "mlp"), r["variant"]) for r in data["results"] if "step_s" in r})
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (m, v) in zip(axes[0], panels):
         for r in data["results"]:
-            if (r.get("model", "mlp"), r["variant"]) == (m, v):
+            if (r.get("model", "mlp"), r["variant"]) == (m, v) and "step_s" in r:
                 total, cumulative = 0.0, []
                 for t in r["step_s"]:
                     total += t

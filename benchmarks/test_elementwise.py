@@ -16,9 +16,9 @@ def test_elementwise(benchmark, bench_ext, full_run, record, variant, config):
     model = Elementwise(variant, bench_ext)
     x = torch.randn(ROWS, COLS)
     result = run_model(benchmark, record, full_run, "elementwise", model, x, variant, config)
-    if config in ("plugin_varying", "plugin_opaque_varying", "stock_constant"):
+    if config in ("plugin_varying", "plugin_opaque_varying", "plugin_trust_varying", "stock_constant"):
         assert (result["compiles"], result["captures"]) == (1, 1)
     if config == "plugin_varying":
-        # Traced: the Python function (auto) and the toSym* C++ reader; the toDouble /
-        # toInt reader stays opaque.
+        # Traced: the Python function (auto), the toSym* C++ reader and the opted-in
+        # direct reader; the toDouble / toInt reader with hashed values stays opaque.
         assert result["opaque_nodes"] == (LAYERS if variant == "cpp" else 0)

@@ -215,6 +215,59 @@ struct SymScaleFn : public Function<SymScaleFn<TRACE, MODE>> {
   }
 };
 
+// Reads its saved numbers with plain toInt() / toDouble(), as most user code does,
+// and (MODE 0) uses them only as op arguments: enable(trace_cpp=...) may trace it.
+// The other modes do what a sentinel check must refuse or verify must catch:
+// 1 a transformed double, 2 k % 2, 3 caps (std::min) both sentinels pass under,
+// 4 the double into leaky_relu (a Scalar-only op), 5 a branch on the double,
+// 6 a tensor size read as a number (x.size(0)): traced, it would be baked in.
+template <int MODE>
+struct DirectFn : public Function<DirectFn<MODE>> {
+  static constexpr bool is_traceable = true;
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor x, int64_t k, double alpha, double beta) {
+    ctx->saved_data["k"] = k;
+    ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["beta"] = beta;
+    ctx->save_for_backward({x});
+    return x * x * alpha + x * beta;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    int64_t k = ctx->saved_data["k"].toInt();
+    double alpha = ctx->saved_data["alpha"].toDouble();
+    double beta = ctx->saved_data["beta"].toDouble();
+    auto x = ctx->get_saved_variables()[0];
+    at::Tensor gx;
+    if constexpr (MODE == 0) {
+      gx = g[0] * x * alpha * static_cast<double>(k) + g[0] * beta;
+    } else if constexpr (MODE == 1) {
+      gx = g[0] * x * (2.0 * alpha) + g[0] * beta;
+    } else if constexpr (MODE == 2) {
+      gx = g[0] * x * alpha * static_cast<double>(k % 2) + g[0] * beta;
+    } else if constexpr (MODE == 3) {
+      gx = g[0] * x * std::min(alpha, 10.0) * static_cast<double>(std::min<int64_t>(k, 1000000)) + g[0] * beta;
+    } else if constexpr (MODE == 4) {
+      gx = at::leaky_relu(g[0] * x, alpha) * static_cast<double>(k) + g[0] * beta;
+    } else if constexpr (MODE == 5) {
+      gx = alpha > 0.5 ? g[0] * x * alpha * static_cast<double>(k) : g[0] * beta;
+    } else {
+      gx = g[0] * x * alpha * static_cast<double>(k) * static_cast<double>(x.size(0)) + g[0] * beta;
+    }
+    return {gx, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor direct_fn(at::Tensor x, int64_t k, double alpha, double beta, int64_t mode) {
+  switch (mode) {
+    case 0: return DirectFn<0>::apply(x, k, alpha, beta);
+    case 1: return DirectFn<1>::apply(x, k, alpha, beta);
+    case 2: return DirectFn<2>::apply(x, k, alpha, beta);
+    case 3: return DirectFn<3>::apply(x, k, alpha, beta);
+    case 4: return DirectFn<4>::apply(x, k, alpha, beta);
+    case 5: return DirectFn<5>::apply(x, k, alpha, beta);
+    default: return DirectFn<6>::apply(x, k, alpha, beta);
+  }
+}
+
 at::Tensor sym_scale_traceable(at::Tensor x, int64_t a, double s, bool flag) {
   return SymScaleFn<true, 0>::apply(x, a, s, flag);
 }
@@ -286,6 +339,7 @@ FUNCTIONS = [
     "sym_scale_opaque",
     "sym_branch_traceable",
     "sym_leaky_traceable",
+    "direct_fn",
 ]
 
 

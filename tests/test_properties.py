@@ -47,13 +47,13 @@ def _steps(values: st.SearchStrategy) -> st.SearchStrategy:
     return st.lists(values, min_size=2, max_size=5)
 
 
-def _check_steps(step, values_list, backend: str = "aot_eager") -> None:
+def _check_steps(step, values_list, backend: str = "aot_eager", **options) -> None:
     """Each step under the plugin, then eager: the same gradients, NaN where eager
     has NaN. With aot_eager every op of both runs is the same ATen call on the same
     doubles, so the gradients must be identical bit for bit (a saved double that
     lost precision would show); inductor may reorder float math."""
     for values in values_list:
-        with ca_dynsaved.enable(backend=backend):
+        with ca_dynsaved.enable(backend=backend, **options):
             got = step(*values)
         want = step(*values)
         if backend == "aot_eager":
@@ -98,6 +98,24 @@ def test_cpp_symbolic_reader_traced(ext):
     @given(_steps(st.tuples(int64s, floats)))
     def search(values_list):
         _check_steps(step, values_list)
+        assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+
+    search()
+    assert {n.handling for n in ca_dynsaved.report().nodes} == {"traced-dynamic"}
+
+
+@pytest.mark.parametrize("mode", [0, 3], ids=["direct", "capped"])
+def test_cpp_opted_in_plain_reader_traced(ext, mode):
+    """toInt()/toDouble() readers opted in with trace_cpp: the int reaches the op as
+    a double through the packed int64 tensor, the doubles through the packed float64
+    one, bit-identical to eager over the extremes. ``capped`` (std::min on both)
+    passes the sentinel check; verify runs every value the caps change directly."""
+    step = _leaf_grad(lambda x, k, alpha, beta: ext.direct_fn(x, k, alpha, beta, mode))
+
+    @SEARCH
+    @given(_steps(st.tuples(int64s, floats, floats)))
+    def search(values_list):
+        _check_steps(step, values_list, trace_cpp=["DirectFn"])
         assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
 
     search()

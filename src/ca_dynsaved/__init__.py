@@ -19,8 +19,8 @@ from . import _compat  # noqa: F401  (version check first)
 
 import torch  # noqa: E402
 
-from . import cpptrace, opaque, probe, reuse  # noqa: E402
-from ._install import CONFIG_FLAG, CONFIG_PYTHON_POLICY, install, uninstall  # noqa: E402
+from . import cpptrace, opaque, probe, reuse, sentinel  # noqa: E402
+from ._install import CONFIG_FLAG, CONFIG_PYTHON_POLICY, CONFIG_TRACE_CPP, CONFIG_VERIFY, install, uninstall  # noqa: E402
 from .enable import enable  # noqa: E402
 from .report import report, reset_report  # noqa: E402
 
@@ -32,6 +32,8 @@ __all__ = [
     "reset_report",
     "CONFIG_FLAG",
     "CONFIG_PYTHON_POLICY",
+    "CONFIG_TRACE_CPP",
+    "CONFIG_VERIFY",
     "install",
     "uninstall",
 ]
@@ -45,6 +47,7 @@ def reset() -> None:
     opaque.clear()
     probe.clear()
     cpptrace.clear()
+    sentinel.clear()
     reuse.clear()
     reset_report()
 

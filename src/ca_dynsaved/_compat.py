@@ -274,6 +274,33 @@ def guards_on(shape_env: Any, names: dict[Any, str]) -> list[tuple[str, str]]:
     return result
 
 
+def holds_for_sizes_above_one(shape_env: Any, names: dict[Any, str]) -> bool:
+    """Whether every guard and specialisation ``shape_env`` recorded holds whatever
+    sizes >= 2 its symbols (``names``) take: what fake tensors ask of any size (not
+    0 or 1, non-negative), not a branch on one value or on two sizes' order. Checked
+    on assignments of small, large, equal, increasing and decreasing sizes."""
+    import sympy
+
+    exprs = [guard.expr for guard in shape_env.guards]
+    exprs += [sympy.Eq(sym, value) for sym, value in shape_env.replacements.items()]
+    symbols = sorted(names, key=str)
+    primes = [2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37]
+    assignments = [
+        [2] * len(symbols),
+        [1_000_003] * len(symbols),
+        [primes[i % len(primes)] for i in range(len(symbols))],
+        [primes[-1 - i % len(primes)] for i in range(len(symbols))],
+        [10 ** (1 + i % 6) for i in range(len(symbols))],
+        [10 ** (6 - i % 6) for i in range(len(symbols))],
+    ]
+    for values in assignments:
+        mapping = dict(zip(symbols, values))
+        for expr in exprs:
+            if expr.free_symbols - set(mapping) or expr.xreplace(mapping) != sympy.true:
+                return False
+    return True
+
+
 def size_hints(t: torch.Tensor) -> tuple[list[int], list[int]]:
     """Concrete sizes and strides of a (possibly symbolic) capture tensor, read
     without guarding."""
@@ -308,6 +335,19 @@ def tensor_from_variable_info(info: Sequence[Any], concrete: bool = False) -> to
         raise LayoutError(f"unsupported output layout {layout} / dtype code {dtype}")
     sizes = [optimization_hint(s) for s in sizes] if concrete else list(sizes)
     return torch.empty(sizes, dtype=_SCALAR_TYPES[dtype], device=device)
+
+
+def concrete(value: Any) -> Any:
+    """``value`` with every SymInt / SymFloat in it replaced by its hint, read without
+    guarding: capture data a private fake-tensor run may use."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    def hint(v: Any) -> Any:
+        if isinstance(v, torch.SymInt):
+            return optimization_hint(v)
+        return float(v.node.hint) if isinstance(v, torch.SymFloat) else v
+
+    return pytree.tree_map(hint, value)
 
 
 def outside_capture() -> Any:

@@ -35,7 +35,15 @@ from .compiler import DynSavedCompilerInstance
 CONFIG_FLAG = "compiled_autograd_dynamic_saved_data"
 #: Config entry for the Python-function policy (``pyctx``), used by every entry point.
 CONFIG_PYTHON_POLICY = "compiled_autograd_dynamic_saved_data_python_policy"
-_CONFIG_ENTRIES = {CONFIG_FLAG: (False, bool), CONFIG_PYTHON_POLICY: (pyctx.AUTO, str)}
+#: Config entries for ``enable(trace_cpp=..., verify=...)`` (``sentinel``).
+CONFIG_TRACE_CPP = "compiled_autograd_dynamic_saved_data_trace_cpp"
+CONFIG_VERIFY = "compiled_autograd_dynamic_saved_data_verify"
+_CONFIG_ENTRIES = {
+    CONFIG_FLAG: (False, bool),
+    CONFIG_PYTHON_POLICY: (pyctx.AUTO, str),
+    CONFIG_TRACE_CPP: ((), tuple),
+    CONFIG_VERIFY: (True, bool),
+}
 
 
 
@@ -46,16 +54,38 @@ class Mode:
     plugin: bool
     exclude: frozenset[str] = frozenset()
     python_policy: str = pyctx.AUTO
+    trace_cpp: frozenset[str] = frozenset()
+    verify: bool = True
 
 
 STOCK = Mode(plugin=False)
 
 
-def plugin_mode(exclude: frozenset[str] = frozenset(), python_policy: str | None = None) -> Mode:
-    """The plugin with these options; ``python_policy=None`` reads the config entry."""
-    if python_policy is None:  # the entry is gone after uninstall(): its default
-        python_policy = getattr(torch._dynamo.config, CONFIG_PYTHON_POLICY, pyctx.AUTO)
-    return Mode(True, frozenset(exclude), pyctx.check_policy(python_policy))
+def plugin_mode(
+    exclude: frozenset[str] = frozenset(),
+    python_policy: str | None = None,
+    trace_cpp: frozenset[str] | None = None,
+    verify: bool | None = None,
+) -> Mode:
+    """The plugin with these options; an option given as None reads its config entry
+    (gone after uninstall(): then its default)."""
+    config = torch._dynamo.config
+    if python_policy is None:
+        python_policy = getattr(config, CONFIG_PYTHON_POLICY, pyctx.AUTO)
+    if trace_cpp is None:
+        trace_cpp = frozenset(_names(getattr(config, CONFIG_TRACE_CPP, ()), CONFIG_TRACE_CPP))
+    if verify is None:
+        verify = bool(getattr(config, CONFIG_VERIFY, True))
+    return Mode(True, frozenset(exclude), pyctx.check_policy(python_policy), frozenset(trace_cpp), verify)
+
+
+def _names(value: Any, what: str) -> tuple[str, ...]:
+    """Function-name substrings (``exclude``, ``trace_cpp``): a str is one name, not
+    its letters."""
+    names = (value,) if isinstance(value, str) else tuple(value)
+    if not all(isinstance(n, str) and n for n in names):
+        raise TypeError(f"ca_dynsaved: {what} takes non-empty function-name substrings, got {value!r}")
+    return names
 
 
 _lock = threading.RLock()  # held by the thread with open CA contexts (ca_context)
@@ -124,6 +154,8 @@ def ca_context(
                         DynSavedCompilerInstance,
                         exclude=mode.exclude,
                         python_policy=mode.python_policy,
+                        trace_cpp=mode.trace_cpp,
+                        verify=mode.verify,
                     )
                     with _instance_class(factory):  # type: ignore[arg-type]
                         stack.enter_context(cm)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import _compat, cpptrace, opaque, pyctx, report, runtime
+from . import _compat, cpptrace, opaque, pyctx, report, runtime, sentinel
 
 _disable = torch.compiler.disable
 #: TORCH_LOGS="ca_dynsaved" shows what the plugin did with each capture; "+ca_dynsaved"
@@ -78,7 +78,9 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
     """A CA capture that runs custom-function backwards through opaque ops.
 
     ``exclude``: substrings of node names (``"MyFunction"``) that keep stock
-    behaviour; ``python_policy``: see ``pyctx``.
+    behaviour; ``python_policy``: see ``pyctx``; ``trace_cpp``: substrings of names
+    of C++ functions whose ``toInt()``/``toDouble()`` reads may be traced
+    (``sentinel``); ``verify``: check each new value of those before use.
     """
 
     def __init__(
@@ -86,10 +88,14 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         compiler_fn: Callable[..., Any],
         exclude: frozenset[str] = frozenset(),
         python_policy: str = pyctx.AUTO,
+        trace_cpp: frozenset[str] = frozenset(),
+        verify: bool = True,
     ) -> None:
         super().__init__(compiler_fn)
         self.exclude = exclude
         self.python_policy = pyctx.check_policy(python_policy)
+        self.trace_cpp = trace_cpp
+        self.verify = verify
 
     @_disable
     def begin_capture(self, inputs, sizes, scalars, origins, accumulate_grad, check_nans):  # type: ignore[no-untyped-def,override]
@@ -113,6 +119,11 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         self._nodes: list[opaque.NodeCapture] = []  # per opaque op, in slot order
         self._dynamic_sources: list[str] = []  # numbers of traced nodes, as Dynamo names them
         self._traced_floats = False  # a traced C++ node reads a lifted float
+        # Opted-in traced C++ nodes: (graph nodes their trace recorded, saved key ->
+        # kind, saved key -> its symbol), rewritten in create_graph_module.
+        self._optin: list[tuple[list[torch.fx.Node], dict[str, str], dict[str, Any]]] = []
+        self._verifying: tuple[Any, ...] | None = None  # an opted-in node awaiting validate_outputs
+        self._checks: list[runtime.Check] = []  # verify: one per opted-in node
         return out
 
     @_disable
@@ -146,7 +157,20 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             except _compat.LayoutError as e:
                 verdict = cpptrace.Verdict(False, str(e))
         if verdict.traced:
-            return self._trace_cpp(name, fn, grads, args, verdict.reason)
+            sizes = cpptrace.size_dependence(name, fn, args)
+            if not sizes:
+                return self._trace_cpp(name, fn, grads, args, verdict.reason)
+            verdict = cpptrace.Verdict(False, sizes)
+        elif fn_name in self._traceable and any(p in name for p in self.trace_cpp):
+            optin = self._optin_plan(name, fn, args)
+            if optin is not None:
+                plan, inputs = optin
+                sizes = cpptrace.size_dependence(name, fn, args) if plan.traced else ""
+                if plan.traced and not sizes:
+                    return self._trace_optin(name, fn, grads, args, plan, inputs)
+                if sizes:
+                    sentinel.refused(name, sizes)
+                verdict = cpptrace.Verdict(False, f"trace_cpp refused: {sizes or plan.reason}")
         with _compat.disable_proxy_modes_tracing():
             dummies = [self.allocate_dummy() for _ in output_metadata]
         self._pending = _PendingCall(
@@ -176,6 +200,43 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         if self._traced_floats:
             self._packed_scalar_proxies()  # the packed tensors' nodes, before the ops
         return cpptrace.trace(self, fn, grads, args)
+
+    def _optin_plan(self, name: str, fn: Callable[..., Any], args: Any) -> tuple[sentinel.Plan, sentinel.Inputs] | None:
+        """The sentinel plan of an opted-in node, or None when some saved value is
+        not a lifted number (a hashed value keeps it opaque: see cpptrace)."""
+        try:
+            keys, values, rest = _compat.split_cpp_node_args(args)
+            kinds = {key: self._lifted[value.node][0] for key, value in zip(keys, values)}
+            inputs = sentinel.Inputs.of(fn, keys, rest)
+        except (_compat.LayoutError, AttributeError, KeyError):
+            return None
+        if not kinds:
+            return None
+        return sentinel.plan(name, inputs, kinds), inputs
+
+    def _trace_optin(
+        self, name: str, fn: Callable[..., Any], grads: Any, args: Any, plan: sentinel.Plan, inputs: sentinel.Inputs
+    ) -> list[Any]:
+        """Trace an opted-in plain reader with the sentinels in place of its saved
+        numbers; create_graph_module swaps them for the lifted values."""
+        checked = "; each new value verified" if self.verify else ""
+        self._report_cpp(name, report.TRACED, f"opt-in (trace_cpp): {plan.reason}{checked}", args)
+        counters = _compat.counters["ca_dynsaved"]
+        counters["traced_cpp_nodes"] += 1
+        counters["optin_cpp_nodes"] += 1
+        keys, values, rest = _compat.split_cpp_node_args(args)
+        for value in values:
+            self._dynamic_sources.append(f"L['scalars'][{self._lifted_at[value.node][0]}]")
+        self._packed_scalar_proxies()  # the packed tensors' nodes, before the ops
+        graph = self.fx_tracer.graph
+        before = len(graph.nodes)
+        sentinels = sentinel.values(plan.kinds, 0)
+        outs = cpptrace.trace(self, fn, grads, (keys, *(sentinels[k] for k in keys), *rest))
+        region = list(graph.nodes)[before:]
+        self._optin.append((region, plan.kinds, dict(zip(keys, values))))
+        if self.verify:
+            self._verifying = (name, fn, grads, args, plan, inputs, region)
+        return outs
 
     @_disable
     def proxy_call_backward(  # type: ignore[override]
@@ -228,6 +289,8 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
     def validate_outputs(self, _, outputs, args, output_metadata):  # type: ignore[no-untyped-def,override]
         pending, self._pending = self._pending, None
         if pending is None:
+            if self._verifying is not None:
+                self._add_check(outputs)
             return super().validate_outputs(_, outputs, args, output_metadata)
         expected = [d for d in pending.dummies if d is not None]
         if len(outputs) != len(expected) or any(o is not d for o, d in zip(outputs, expected)):
@@ -308,6 +371,31 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         counters["opaque_nodes"] += 1
         return self.fx_tracer.create_proxy("call_function", op, op_args, {})
 
+    def _add_check(self, outputs: Sequence[Any]) -> None:
+        """verify: what running the opted-in node just traced directly takes, for the
+        steps whose new values its check refuses (runtime.Check)."""
+        name, fn, grads, args, plan, inputs, region = self._verifying  # type: ignore[misc]
+        self._verifying = None
+        keys, values, rest = _compat.split_cpp_node_args(args)
+
+        def node(t: Any) -> torch.fx.Node | None:
+            return None if t is None else self.to_proxy(t).node
+
+        fallback = runtime.Fallback(
+            name,
+            fn,
+            tuple(keys),
+            _compat.concrete(tuple(rest[1:])),
+            tuple(self._lifted[v.node] for v in values),
+            [node(g) for g in grads],
+            [node(t) for t in rest[0]],
+            [p.node for p in self._packed_scalar_proxies()],
+            region,
+            [node(o) for o in outputs],
+        )
+        indices = tuple(self._lifted_at[v.node][0] for v in values)
+        self._checks.append(runtime.Check(name, plan, inputs, tuple(keys), indices, fallback))
+
     def _packed_scalar_proxies(self) -> tuple[Any, Any]:
         if self._packed_proxies is None:
             n = len(self._scalar_kinds)
@@ -343,6 +431,14 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
                 counters["hashed_values"] += 1
 
     def create_graph_module(self, id: str) -> torch.fx.GraphModule:  # type: ignore[override]
+        selects: dict[tuple[Any, bool], torch.fx.Node] = {}
+        for region, kinds, symbols in self._optin:
+            sentinel.rewrite(
+                region,
+                kinds,
+                lambda slot, s=symbols: self._packed_value_node(s[slot.key], slot.as_float, selects),
+                lambda slot, s=symbols: self.to_proxy(s[slot.key]).node,
+            )
         if self._traced_floats:
             float_index = {
                 index: self._lifted[node][1]
@@ -353,6 +449,23 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             cpptrace.rewrite_float_scalars(self.fx_tracer.graph, getitems, self._packed_scalar_proxies()[1].node)
         self._graph_module = super().create_graph_module(id)
         return self._graph_module
+
+    def _packed_value_node(self, symbol: Any, as_float: bool, selects: dict[tuple[Any, bool], torch.fx.Node]) -> torch.fx.Node:
+        """A 0-dim tensor node of lifted ``symbol``'s packed value (float64 when
+        ``as_float``), placed right after the packed tensors' nodes."""
+        found = selects.get((symbol.node, as_float))
+        if found is not None:
+            return found
+        kind, index = self._lifted[symbol.node]
+        graph = self.fx_tracer.graph
+        packed = self._packed_scalar_proxies()[0 if kind is opaque.INT else 1].node
+        with graph.inserting_after(packed):
+            node = graph.call_function(torch.ops.aten.select.int, (packed, 0, index))
+        if as_float:
+            with graph.inserting_after(node):
+                node = graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": torch.float64})
+        selects[(symbol.node, as_float)] = node
+        return node
 
     @_disable
     def end_capture(self, outputs):  # type: ignore[no-untyped-def,override]
@@ -365,12 +478,12 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             log.debug("capture !%d graph:\n%s", self.id, self._graph_module.code)
         # Before Dynamo's first compile of the graph, which its first call makes.
         _compat.mark_dynamic_scalars(self._graph_module.forward.__code__, self._dynamic_sources)
-        if not self._nodes and not self._capture.observes:
+        if not self._nodes and not self._capture.observes and not self._checks:
             return runtime_wrapper, compiled_fn
         kinds = self._scalar_kinds if self._packed_proxies is not None else None
         wrapper = runtime.make_runtime_wrapper(
             runtime_wrapper, self._graph_module, kinds, self._nodes, self._capture,
-            self.compiler_fn, tuple(self._dynamic_sources),
+            self.compiler_fn, tuple(self._dynamic_sources), tuple(self._checks),
         )
         return wrapper, compiled_fn
 

@@ -23,8 +23,15 @@ ShapeEnv with fresh symbols for the lifted numbers:
 * hashed saved values (bool, str, lists) keep the node opaque: traced, each new
   value would be a new graph, while opaque captures share compiled code.
 
+A traced node's ops must also not depend on tensor sizes, since CA reuses its
+graph for other sizes: ``size_dependence`` runs the functional once per function
+and input layout on fake tensors whose sizes are symbols, and a size that reaches
+an op argument or decides a branch keeps the node opaque. The capture then traces
+on fake tensors of concrete sizes (``trace``), a third of the cost of symbolic ones.
+
 Lifted ints used by traced nodes are marked dynamic for the graph's first compile
-(``_compat.mark_dynamic_scalars``, ``L['scalars'][i]``).
+(``_compat.mark_dynamic_scalars``, ``L['scalars'][i]``). Plain readers a user opts
+in (``trace_cpp``) are traced by ``sentinel``, through the same ``trace``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ from typing import Any, Sequence
 import torch
 
 from . import _compat
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
 from .probe import FLOAT_HINT, INT_HINT, Verdict, fake_like, first_line, run_symbolic
 
 aten = torch.ops.aten
@@ -53,6 +63,7 @@ _CACHE: dict[tuple[Any, ...], Verdict] = {}
 
 def clear() -> None:
     _CACHE.clear()
+    _SIZES.clear()
 
 
 def verdict(name: str, fn: Any, args: Sequence[Any], lifted: dict[Any, tuple[str, int]]) -> Verdict:
@@ -106,14 +117,111 @@ def _decide(fn: Any, keys: list[str], values: list[Any], rest: list[Any], lifted
 
 
 def trace(instance: Any, fn: Any, grads: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-    """Call the functional under the capture's modes so its ATen ops are recorded;
-    the incoming grads (CA's placeholders) become fake tensors of the metadata the
-    forward recorded, bound to the grads' proxies."""
-    output_info = _compat.split_cpp_node_args(args)[2][4]
+    """Call the functional under the capture's modes so its ATen ops are recorded.
+
+    Its inputs are fake tensors of the capture's concrete sizes bound to the
+    proxies of the incoming grads (CA passes placeholders) and saved tensors: the
+    backward's ops do not depend on sizes (``size_dependence`` said so), so the ops
+    and arguments are those of symbolic sizes, at a third of the cost. Its outputs
+    become CA's dummies, as stock CA returns for a call it records whole."""
+    keys, values, rest = _compat.split_cpp_node_args(args)
     with _compat.disable_proxy_modes_tracing():
-        fake_grads = [_compat.tensor_from_variable_info(info) for info in output_info]
+        fake_grads = [_compat.tensor_from_variable_info(info, concrete=True) for info in rest[4]]
+        saved = [fake_like(t) for t in rest[0]]
     instance.bind_objects_to_proxies(fake_grads, [instance.to_proxy(g) for g in grads])
-    return list(fn(fake_grads, *args))
+    instance.bind_objects_to_proxies(
+        [t for t in saved if t is not None], [instance.to_proxy(t) for t in rest[0] if t is not None]
+    )
+    outs = list(fn(fake_grads, keys, *values, saved, *rest[1:]))
+    with _compat.disable_proxy_modes_tracing():
+        dummies = [None if o is None else instance.allocate_dummy() for o in outs]
+    instance.bind_objects_to_proxies(
+        [d for d in dummies if d is not None], [instance.to_proxy(o) for o in outs if o is not None]
+    )
+    return dummies
+
+
+_SIZES: dict[tuple[Any, ...], str] = {}
+
+
+class _SymbolicArgs(TorchDispatchMode):
+    """Notes whether any op gets a symbolic number (from a size) as an argument."""
+
+    found = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if any(isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)) for leaf in tree_leaves((args, kwargs))):
+            self.found = True
+        return func(*args, **kwargs)
+
+
+def size_dependence(name: str, fn: Any, args: Sequence[Any]) -> str:
+    """'' if this backward's ops and arguments are the same for any tensor sizes,
+    else why not (the node then runs opaque: traced, its sizes would be baked in).
+    Decided once per function and input layout, on fake tensors whose sizes are
+    symbols (one per distinct size, as CA's capture makes them), the saved numbers
+    concrete: no guard that some sizes >= 2 would fail (a branch on a size or on two
+    sizes' order, a specialisation), no size reaching an op argument, no error (a
+    C++ ``sizes()`` on symbolic sizes raises). Contiguous inputs only."""
+    keys, values, rest = _compat.split_cpp_node_args(args)
+    layout = []
+    for t in rest[0]:
+        if isinstance(t, torch.Tensor):
+            sizes, strides = _compat.size_hints(t)
+            layout.append((tuple(sizes), tuple(strides), t.dtype, t.device))
+        else:
+            layout.append(t)
+    grads = [_compat.tensor_from_variable_info(info, concrete=True) for info in rest[4]]
+    layout.extend((tuple(g.shape), g.dtype, g.device) for g in grads)
+    key = (name, tuple(keys), tuple(type(v).__name__ for v in values), tuple(layout))
+    found = _SIZES.get(key)
+    if found is None:
+        found = _SIZES[key] = _probe_sizes(fn, keys, values, rest)
+    return found
+
+
+def _probe_sizes(fn: Any, keys: list[str], values: list[Any], rest: list[Any]) -> str:
+    shapes: list[Any] = []
+    for t in rest[0]:
+        if isinstance(t, torch.Tensor):
+            sizes, strides = _compat.size_hints(t)
+            if list(strides) != _contiguous_strides(sizes):
+                return "a saved tensor is not contiguous (sizes are only probed on contiguous ones)"
+            shapes.append((sizes, t.dtype, t.device))
+        else:
+            shapes.append(t)
+    grads = [_compat.tensor_from_variable_info(info, concrete=True) for info in rest[4]]
+    distinct = {s for shape in [*(x[0] for x in shapes if isinstance(x, tuple)), *(g.shape for g in grads)] for s in shape if s > 1}
+    numbers = [_compat.concrete(v) for v in values]
+    uses = _SymbolicArgs()
+
+    def run(symbols: dict[str, Any]) -> None:
+        def make(sizes: Sequence[int], dtype: torch.dtype, device: Any) -> torch.Tensor:
+            return torch.empty([symbols[f"size{s}"] if s > 1 else s for s in sizes], dtype=dtype, device=device)
+
+        saved = [make(*x) if isinstance(x, tuple) else x for x in shapes]
+        fake_grads = [make(g.shape, g.dtype, g.device) for g in grads]
+        with uses:
+            fn(fake_grads, keys, *numbers, saved, *_compat.concrete(tuple(rest[1:])))
+
+    probed = run_symbolic({f"size{s}": s for s in distinct}, run)
+    if probed.error is not None:
+        e = probed.error
+        return f"its backward fails on symbolic sizes ({type(e).__name__}: {first_line(e)})"
+    if not probed.sizes_only:
+        return "its ops depend on tensor sizes (" + "; ".join(g for _, g in probed.guards[:3]) + ")"
+    if uses.found:
+        return "a tensor size reaches an op argument"
+    return ""
+
+
+def _contiguous_strides(sizes: Sequence[int]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(sizes):
+        strides.append(step)
+        step *= max(size, 1)
+    return strides[::-1]
 
 
 def rewrite_float_scalars(graph: torch.fx.Graph, floats: dict[torch.fx.Node, int], packed: torch.fx.Node) -> int:

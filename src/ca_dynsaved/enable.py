@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from . import pyctx
-from ._install import ca_context, plugin_mode
+from ._install import _names, ca_context, plugin_mode
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,17 @@ class enable(contextlib.ContextDecorator):
     nodes keep stock behaviour. ``python_policy``: ``"auto"``, ``"opaque"`` or ``"stock"`` for
     Python ``autograd.Function`` nodes (see ``ca_dynsaved.pyctx``); None reads
     ``torch._dynamo.config.compiled_autograd_dynamic_saved_data_python_policy``.
+
+    ``trace_cpp``: substrings of C++ function names whose backward, you assert, uses
+    its saved ints/doubles read with ``toInt()``/``toDouble()`` only as ATen op
+    arguments: such nodes are traced and fused instead of run opaque, after a
+    two-sentinel check that refuses (with a warning) what it can see
+    (``ca_dynsaved.sentinel``). ``verify`` (on by default) re-checks each new
+    value of those nodes on fake tensors before the compiled graph uses it, and runs
+    the step with the node called directly when the check refuses: what the
+    sentinels cannot see (a branch both take the same way) never gives a wrong
+    gradient. ``verify=False`` trusts the assertion and skips that cost. None reads
+    the config entries ``..._trace_cpp`` / ``..._verify``.
     """
 
     def __init__(
@@ -96,6 +107,8 @@ class enable(contextlib.ContextDecorator):
         fullgraph: bool = False,
         exclude: Iterable[str] = (),
         python_policy: str | None = None,
+        trace_cpp: Iterable[str] | None = None,
+        verify: bool | None = None,
     ) -> None:
         if compiler_fn is not None:
             given = [
@@ -128,12 +141,14 @@ class enable(contextlib.ContextDecorator):
         # The capture's own `dynamic` (symbolic sizes): compiled_autograd._enable's
         # default unless asked.
         self.dynamic = True if dynamic is None else dynamic
-        self.exclude = frozenset(exclude)
+        self.exclude = frozenset(_names(exclude, "exclude"))
         self.python_policy = None if python_policy is None else pyctx.check_policy(python_policy)
+        self.trace_cpp = None if trace_cpp is None else frozenset(_names(trace_cpp, "trace_cpp"))
+        self.verify = verify
         self._open: list[contextlib.AbstractContextManager[None]] = []
 
     def __enter__(self) -> "enable":
-        mode = plugin_mode(self.exclude, self.python_policy)
+        mode = plugin_mode(self.exclude, self.python_policy, self.trace_cpp, self.verify)
         cm = ca_context(self.compiler_fn, self.dynamic, mode=mode)
         cm.__enter__()
         self._open.append(cm)

@@ -159,6 +159,7 @@ class SymbolicRun:
     error: Exception | None  # what it raised
     guards: list[tuple[str, str]]  # (symbol name, guard in the symbols' names)
     float_uses: list[tuple[str, Any]]  # (symbol name, op) a float reached, refused
+    sizes_only: bool = False  # every guard holds for any symbol values >= 2
 
 
 def run_symbolic(
@@ -183,7 +184,10 @@ def run_symbolic(
                     result = run(symbols)
             except Exception as e:  # noqa: BLE001 - the caller decides: opaque, the safe side
                 error = e
-    return SymbolicRun(result, error, _compat.guards_on(shape_env, names), uses.found)
+    return SymbolicRun(
+        result, error, _compat.guards_on(shape_env, names), uses.found,
+        _compat.holds_for_sizes_above_one(shape_env, names),
+    )
 
 
 def _probe(

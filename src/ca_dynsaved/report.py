@@ -27,6 +27,7 @@ MAX_COUNTED = 1024
 #: Captures kept (the newest): a bool or str saved value that is new at every step
 #: makes a capture per step.
 MAX_CAPTURES = 256
+MAX_REFUSED = 64
 
 DYNAMIC, OPAQUE, REUSED, STOCK = "dynamic", "opaque", "reused", "stock"
 #: A Python function traced with its ctx numbers dynamic (pyctx.TRACED).
@@ -117,6 +118,12 @@ class CaptureRecord:
     compiled: str = ""
     scalars: dict[int, KeyReport] = field(default_factory=dict)  # lifted scalar index
     hooks: dict[int, FunctionReport] = field(default_factory=dict)  # ctx index in hooks
+    # verify: steps an opted-in traced node ran opaque, newest MAX_REFUSED kept:
+    # (node, its saved numbers, why the check refused them)
+    refused: deque[tuple[str, dict[str, Any], str]] = field(default_factory=lambda: deque(maxlen=MAX_REFUSED))
+
+    def refuse(self, name: str, values: dict[str, Any], reason: str) -> None:
+        self.refused.append((name, values, reason))
 
     def observe(self, scalars: Any, hooks: Any) -> None:
         """Note the values this run carries (called by the runtime wrapper)."""
@@ -149,7 +156,12 @@ class Report:
                 for f in self.functions.values()
             ],
             "captures": [
-                {"ca_id": c.ca_id, "compiled": c.compiled, "nodes": [asdict(n) for n in c.nodes]}
+                {
+                    "ca_id": c.ca_id,
+                    "compiled": c.compiled,
+                    "nodes": [asdict(n) for n in c.nodes],
+                    "refused": [list(r) for r in c.refused],
+                }
                 for c in self.captures
             ],
             "dropped_captures": self.dropped_captures,
@@ -240,7 +252,8 @@ def _explain(kind: str, key: str, type_: str, handling: str, node_reason: str, t
     if handling == DYNAMIC and traced and kind == "C++":
         return (
             "traced with the backward: an int is a symbolic graph input from the first "
-            "compile, a double is read from the packed float64 tensor",
+            "compile (or, cast to double, read from the packed int64 tensor), a double "
+            "is read from the packed float64 tensor",
             "",
         )
     if handling == DYNAMIC and kind == "Python":
@@ -358,6 +371,9 @@ def format_table(rep: Report) -> str:
             rows.append((function.name, key.key, key.type, key.handling, str(key.compiles), values))
             guard = f"; Dynamo recompiled on {key.guard}" if key.guard and key.compiles else ""
             notes.append(f"{function.name}.{key.key}: {key.reason}{guard}" + (f"; fix: {key.fix}" if key.fix else ""))
+    for capture in rep.captures:
+        for name, values, reason in capture.refused:
+            notes.append(f"{name}: verify ran it opaque for saved {values}: {reason}")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
     lines.insert(1, "-" * len(lines[0]))

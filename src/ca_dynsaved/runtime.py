@@ -15,18 +15,24 @@
   CA) must record the backward's own autograd history, which an opaque op without
   a derivative cuts; CA's cache does not tell such calls apart, so those calls run
   the captured graph eagerly with each opaque op replaced by a direct call.
+* Verify (``enable(verify=True)``): an opted-in traced C++ node (``sentinel``) has
+  a ``Check``; each new tuple of its saved numbers is re-traced on fake tensors
+  before the compiled graph may use it. A refused tuple runs that step on a copy of
+  the graph where the node is an opaque op instead, eagerly (``Fallback``).
 """
 
 from __future__ import annotations
 
 import array
 import logging
+import operator
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 from torch._dynamo.utils import counters
 
-from . import _compat, opaque, reuse
+from . import _compat, opaque, reuse, sentinel
 from .report import CaptureRecord
 
 
@@ -56,6 +62,106 @@ _EMPTY_INTS = torch.empty(0, dtype=torch.int64)
 _EMPTY_FLOATS = torch.empty(0, dtype=torch.float64)
 
 
+@dataclass
+class Fallback:
+    """An opted-in traced node, called directly: for a step whose values its check
+    refused. The C++ functional and its concrete call data, each saved number's
+    (kind, index in the packed tensors), and the CA graph's nodes of its incoming
+    grads, saved tensors, packed scalars, of what its trace recorded and returned."""
+
+    name: str
+    fn: Callable[..., Any]
+    keys: tuple[str, ...]
+    rest: tuple[Any, ...]  # the call's trailing args after the saved tensors, concrete
+    numbers: tuple[tuple[str, int], ...]
+    grads: list[torch.fx.Node | None]
+    saved: list[torch.fx.Node | None]
+    packed: list[torch.fx.Node]
+    region: list[torch.fx.Node]
+    outputs: list[torch.fx.Node | None]
+
+    def run(self, grads: list[Any], saved: list[Any], ints: torch.Tensor, floats: torch.Tensor) -> list[Any]:
+        """The backward with this run's saved numbers; the forward outputs' sizes
+        (output_info) are the incoming grads' of this run."""
+        numbers = [(ints if kind is opaque.INT else floats)[i].item() for kind, i in self.numbers]
+        rest = list(self.rest)
+        rest[3] = [
+            (*info[:3], list(g.shape) if g is not None else info[3], *info[4:]) for info, g in zip(rest[3], grads)
+        ]
+        return list(self.fn(list(grads), list(self.keys), *numbers, list(saved), *rest))
+
+
+@dataclass
+class Check:
+    """verify: which saved-number tuples of one opted-in node the template holds for."""
+
+    name: str
+    plan: sentinel.Plan
+    inputs: sentinel.Inputs
+    keys: tuple[str, ...]
+    indices: tuple[int, ...]  # each key's index among the lifted scalars
+    fallback: Fallback
+    seen: dict[tuple[Any, ...], str] = field(default_factory=dict)  # values -> '' or why refused
+
+    def refusal(self, scalars: Sequence[Any]) -> str:
+        """'' if these scalars' values may run traced; else why not (cached per tuple;
+        NaN keys by repr, as a NaN is unequal to itself)."""
+        values = tuple(scalars[i] for i in self.indices)
+        key = tuple(repr(v) if isinstance(v, float) else v for v in values)
+        found = self.seen.get(key)
+        if found is None:
+            counters["ca_dynsaved"]["verify_traces"] += 1
+            found = self.seen[key] = sentinel.check(self.plan, self.inputs, dict(zip(self.keys, values)))
+            if found:
+                log.warning("ca_dynsaved: %s with saved %s runs opaque this step: %s", self.name, self.named(values), found)
+        return found
+
+    def named(self, values: Sequence[Any]) -> dict[str, Any]:
+        return dict(zip(self.keys, values))
+
+
+def fallback_graph(gm: torch.fx.GraphModule, fallbacks: Sequence[Fallback]) -> torch.fx.GraphModule:
+    """A copy of ``gm`` in which each fallback's node is called directly instead of
+    its traced ops, for eager runs."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    order = {node: i for i, node in enumerate(graph.nodes)}
+
+    def alive(node: torch.fx.Node | None, what: str, fb: Fallback) -> torch.fx.Node | None:
+        if node is None:
+            return None
+        if node not in env:
+            # The trace did not use it and CA's dead-code pass removed it.
+            raise RuntimeError(
+                f"ca_dynsaved: verify refused this step's saved values of {fb.name}, and "
+                f"running it directly needs its {what}, which its traced ops did not use "
+                "(the graph no longer has it). Leave the function out of trace_cpp."
+            )
+        return env[node]
+
+    for fb in fallbacks:
+        args = (
+            [alive(g, "incoming gradient", fb) for g in fb.grads],
+            [alive(t, "saved tensor", fb) for t in fb.saved],
+            *(alive(p, "packed scalars", fb) for p in fb.packed),
+        )
+        used = [env[node] for node in fb.region if node in env]
+        torch.fx.node.map_arg(args, used.append)
+        with graph.inserting_after(max(used, key=order.__getitem__)):  # after its inputs, before its users
+            call = graph.call_function(fb.run, args)
+        after = call
+        for i, out in enumerate(fb.outputs):
+            if out is not None:
+                with graph.inserting_after(after):
+                    after = graph.call_function(operator.getitem, (call, i))
+                env[out].replace_all_uses_with(after)
+        for node in reversed(fb.region):
+            if node in env and not env[node].users:
+                graph.erase_node(env[node])
+    return torch.fx.GraphModule(gm, graph)
+
+
 def make_runtime_wrapper(
     runtime_wrapper: Callable[..., Any],
     graph_module: torch.fx.GraphModule,
@@ -64,13 +170,16 @@ def make_runtime_wrapper(
     record: CaptureRecord,
     compiler_fn: Callable[..., Any],
     dynamic_sources: Sequence[str] = (),
+    checks: Sequence[Check] = (),
 ) -> Callable[..., Any]:
     """Wrap CA's runtime wrapper for a captured graph with opaque ops for ``nodes``;
     ``kinds`` (one per lifted scalar) when C++ opaque ops read packed scalars;
     ``dynamic_sources``: the scalars Dynamo must treat as dynamic (traced Python
-    ctx numbers), re-marked when the graph's code is regenerated."""
+    ctx numbers), re-marked when the graph's code is regenerated; ``checks``: the
+    verify checks of opted-in traced nodes."""
     kinds = None if kinds is None else tuple(kinds)
     compiled: list[Callable[..., Any]] = []  # set once every node has run
+    fallbacks: dict[tuple[int, ...], torch.fx.GraphModule] = {}  # by refused checks
 
     @torch.compiler.disable
     def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
@@ -82,6 +191,19 @@ def make_runtime_wrapper(
                     f"called with {len(scalars)}"
                 )
             scalars = [*scalars, *pack(scalars, kinds)]
+        if checks:
+            refused = tuple(i for i, check in enumerate(checks) if check.refusal(scalars))
+            if refused:
+                counters["ca_dynsaved"]["verify_fallbacks"] += 1
+                for i in refused:
+                    values = [scalars[j] for j in checks[i].indices]
+                    record.refuse(checks[i].name, checks[i].named(values), checks[i].refusal(scalars))
+                gm = fallbacks.get(refused)
+                if gm is None:
+                    gm = fallbacks[refused] = fallback_graph(graph_module, [checks[i].fallback for i in refused])
+                runner = _Differentiable(gm).run_to_list if torch.is_grad_enabled() else gm
+                with opaque.bound_run(hooks, nodes):
+                    return runtime_wrapper(runner, inputs, sizes, scalars, hooks, packed_inputs)
         if not nodes:  # nothing opaque: the graph as captured (traced C++ nodes may
             # read the packed floats)
             return runtime_wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)

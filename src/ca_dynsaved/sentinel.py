@@ -1,0 +1,332 @@
+"""Opt-in tracing of C++ backwards that read saved numbers with ``toInt()`` / ``toDouble()``.
+
+Such a backward turns the lifted symbol into a plain number, so a tracer cannot see
+what it computes from it (``cpptrace`` keeps these nodes opaque). A user who knows
+the backward only passes its saved numbers to ATen ops (``enable(trace_cpp=...)``)
+may have it traced anyway: at capture the functional runs with a *sentinel* in
+place of each number, and every op argument equal to a sentinel becomes the lifted
+value (``rewrite``): an int as the graph's symbolic scalar, a double (or an int
+cast to double) as the packed float64 tensor, the op switched from ``X.Scalar`` to
+``X.Tensor``.
+
+The user's word is checked as far as it can be:
+
+* ``plan`` (once per function and layout) traces the backward twice on fake
+  tensors, with two sentinel sets that differ in sign, parity and magnitude, and
+  compares: the same ops, every argument either equal in both or the sentinel of
+  the same saved number in both. A branch taken differently, ``k % 2``, ``2 *
+  alpha``, a number used as a size: refused, with a warning naming the node, the op
+  and the argument, and the node stays opaque. A double may only reach an
+  ``X.Scalar`` op's scalar on a floating tensor; anywhere else the backend would
+  specialise it.
+* Two sentinels cannot see everything (a branch both take the same way,
+  ``std::min(k, 64)`` with both above 64). ``verify=True`` re-traces the node on
+  fake tensors with each *new* value before the compiled graph uses it, and
+  compares with the plan's template; on a difference that step runs the node
+  opaque (``Check``), and the report names the node and the value.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _compat, opaque
+from .cpptrace import REWRITES
+from .probe import first_line
+
+aten = torch.ops.aten
+
+
+def sentinel(kind: str, n: int, which: int) -> int | float:
+    """The ``which``-th (0 or 1) sentinel of the ``n``-th saved number of ``kind``.
+    The two differ in sign, parity and magnitude, so a transformation or a branch
+    that depends on them usually differs between the traces; none is 0 or 1."""
+    if kind is opaque.INT:
+        return 7919 + 1000 * n if which == 0 else -(104728 + 1000 * n)
+    return 0.3183098861837907 + n / 1024 if which == 0 else -(1.7320508075688772 + n / 1024)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """An op argument that is saved number ``key`` (``as_float``: an int cast to double)."""
+
+    key: str
+    kind: str
+    as_float: bool = False
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """A tensor argument, as a trace records it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+_Op = tuple[Any, tuple[Any, ...]]  # (op, its argument leaves)
+
+
+@dataclass
+class Plan:
+    """Whether an opted-in node may be traced, and the template ``verify`` checks."""
+
+    traced: bool
+    reason: str
+    template: tuple[_Op, ...] = ()  # trace 0, each sentinel argument a Slot
+    kinds: dict[str, str] = field(default_factory=dict)  # saved key -> INT / FLOAT
+
+
+class _Recorder(TorchDispatchMode):
+    """Records each op a backward runs with its argument leaves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[_Op] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        leaves: list[Any] = [tuple(kwargs)]
+        _flatten((*args, *kwargs.values()), leaves)
+        self.ops.append((func, tuple(leaves)))
+        return func(*args, **kwargs)
+
+
+def _flatten(values: Sequence[Any], into: list[Any]) -> None:
+    """An op's argument leaves (ATen arguments nest only lists and tuples); a
+    tensor as its shape and dtype. Cheaper than pytree: it runs on every op verify
+    traces."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            into.append(_Tensor(tuple(value.shape), value.dtype))
+        elif isinstance(value, (list, tuple)):
+            into.append(len(value))  # the structure
+            _flatten(value, into)
+        else:
+            into.append(value)
+
+
+def _small(sizes: Sequence[int]) -> list[int]:
+    """Sizes for a trace: each above 2 becomes 2 (``cpptrace.size_dependence`` has
+    shown that the traced node's ops and arguments are the same for any sizes of at
+    least 2), 0 and 1 stay."""
+    return [min(int(s), 2) for s in sizes]
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a trace of one node needs, free of the capture's symbols and modes: the
+    functional, its saved keys, the (dtype, device, small sizes) of its saved tensors
+    and incoming grads, and its other call arguments, concrete."""
+
+    fn: Callable[..., Any]
+    keys: tuple[str, ...]
+    saved: tuple[Any, ...]  # (sizes, dtype, device) per saved tensor, or the value
+    grads: tuple[tuple[list[int], torch.dtype, torch.device], ...]
+    rest: tuple[Any, ...]  # the call's trailing args after the saved tensors
+
+    @staticmethod
+    def of(fn: Callable[..., Any], keys: Sequence[str], rest: Sequence[Any]) -> "Inputs":
+        saved = tuple(
+            (_small(_compat.size_hints(t)[0]), t.dtype, t.device) if isinstance(t, torch.Tensor) else t
+            for t in rest[0]
+        )
+        grads = []
+        for info in rest[4]:
+            t = _compat.tensor_from_variable_info(info, concrete=True)
+            grads.append((_small(t.shape), t.dtype, t.device))
+        trailing = list(_compat.concrete(tuple(rest[1:])))
+        # output_info: the forward outputs' sizes, which an undefined grad is made of
+        trailing[3] = [(*info[:3], _small(info[3]), *info[4:]) for info in trailing[3]]
+        return Inputs(fn, tuple(keys), saved, tuple(grads), tuple(trailing))
+
+    def record(self, numbers: Sequence[Any]) -> tuple[list[_Op], Exception | None]:
+        """The ops the backward runs with these saved numbers, on real tensors of at
+        most 2 elements a dimension: C++ kernels on a few elements cost a few
+        microseconds an op, where fake or meta tensors' Python dispatch costs 100."""
+        recorder = _Recorder()
+        with _compat.outside_capture(), torch.no_grad():
+            saved = [torch.zeros(s[0], dtype=s[1], device=s[2]) if isinstance(s, tuple) else s for s in self.saved]
+            grads = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in self.grads]
+            try:
+                with recorder:
+                    self.fn(grads, list(self.keys), *numbers, saved, *self.rest)
+            except Exception as e:  # noqa: BLE001 - the caller refuses: the safe side
+                return recorder.ops, e
+        return recorder.ops, None
+
+
+_CACHE: dict[tuple[Any, ...], Plan] = {}
+
+
+def clear() -> None:
+    _CACHE.clear()
+    _WARNED.clear()
+
+
+def plan(name: str, inputs: Inputs, kinds: dict[str, str]) -> Plan:
+    """The opt-in verdict for this node's function and layout, traced on a miss;
+    a refusal warns once, naming the node and what it saw."""
+    key = (name, inputs.keys, tuple(kinds.values()))
+    found = _CACHE.get(key)
+    if found is None:
+        _compat.counters["ca_dynsaved"]["sentinel_plans"] += 1
+        found = _CACHE[key] = _plan(inputs, kinds)
+        if not found.traced:
+            refused(name, found.reason)
+    return found
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def refused(name: str, reason: str) -> None:
+    """Warn, once per node and reason, that trace_cpp could not trace this node."""
+    if (name, reason) not in _WARNED:
+        _WARNED.add((name, reason))
+        warnings.warn(f"ca_dynsaved: trace_cpp refused {name}: {reason}; it runs opaque", stacklevel=3)
+
+
+def values(kinds: dict[str, str], which: int) -> dict[str, int | float]:
+    """Sentinel set ``which`` (0: the capture's) for saved keys of these kinds."""
+    counts = {opaque.INT: 0, opaque.FLOAT: 0}
+    found = {}
+    for key, kind in kinds.items():
+        found[key] = sentinel(kind, counts[kind], which)
+        counts[kind] += 1
+    return found
+
+
+def _match(leaf: Any, sentinels: dict[str, int | float], kinds: dict[str, str]) -> Slot | None:
+    for key, value in sentinels.items():
+        if type(leaf) is type(value) and leaf == value:
+            return Slot(key, kinds[key])
+        if kinds[key] is opaque.INT and type(leaf) is float and leaf == float(value):
+            return Slot(key, opaque.INT, as_float=True)
+    return None
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal op arguments: same type, and for floats the same bits' meaning (-0.0 is
+    not 0.0, NaN is NaN)."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is float:
+        return (a == b and math.copysign(1.0, a) == math.copysign(1.0, b)) or (a != a and b != b)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an argument without a bool equality
+        return a is b
+
+
+def _op_name(op: Any) -> str:
+    return str(op)
+
+
+def _plan(inputs: Inputs, kinds: dict[str, str]) -> Plan:
+    sentinels = [values(kinds, 0), values(kinds, 1)]
+    traces = []
+    for chosen in sentinels:
+        ops, error = inputs.record([chosen[k] for k in inputs.keys])
+        if error is not None:
+            return Plan(False, f"its backward did not run on sentinel values ({type(error).__name__}: {first_line(error)})")
+        traces.append(ops)
+    first, second = traces
+    if [op for op, _ in first] != [op for op, _ in second]:
+        at = next((i for i, (a, b) in enumerate(zip(first, second)) if a[0] != b[0]), min(len(first), len(second)))
+        return Plan(False, f"the ops it runs depend on saved values (op {at} differs between two sentinel traces: a branch)")
+    template = []
+    for index, ((op, a_leaves), (_, b_leaves)) in enumerate(zip(first, second)):
+        if len(a_leaves) != len(b_leaves):
+            return Plan(False, f"the arguments of {_op_name(op)} (op {index}) depend on saved values")
+        leaves = []
+        for position, (a, b) in enumerate(zip(a_leaves, b_leaves)):
+            slot_a = _match(a, sentinels[0], kinds)
+            slot_b = _match(b, sentinels[1], kinds)
+            if slot_a is not None or slot_b is not None:
+                if slot_a != slot_b:
+                    return Plan(False, f"argument {position - 1} of {_op_name(op)} is computed from a saved value ({a!r}, then {b!r})")
+                refusal = _placement(op, a_leaves, position, slot_a)
+                if refusal:
+                    return Plan(False, refusal)
+                leaves.append(slot_a)
+            elif same(a, b):
+                leaves.append(a)
+            else:
+                return Plan(False, f"argument {position - 1} of {_op_name(op)} is computed from a saved value ({a!r}, then {b!r})")
+        template.append((op, tuple(leaves)))
+    used = sorted({leaf.key for _, leaves in template for leaf in leaves if isinstance(leaf, Slot)})
+    return Plan(True, "uses its saved numbers only as op arguments: " + (", ".join(used) or "none"), tuple(template), dict(kinds))
+
+
+def _placement(op: Any, leaves: tuple[Any, ...], position: int, slot: Slot) -> str:
+    """Why a saved number cannot be made dynamic where it is, or ''. ``leaves[0]`` is
+    the kwargs names, so an op's argument ``i`` is ``leaves[i + 1]``."""
+    if slot.kind is opaque.INT and not slot.as_float:
+        return ""  # a symbolic int graph input: Dynamo guards it if it must
+    self_ = leaves[1] if len(leaves) > 1 else None
+    if op in REWRITES and position == 2 and isinstance(self_, _Tensor) and self_.dtype.is_floating_point:
+        return ""
+    what = "int cast to double" if slot.as_float else "double"
+    return (
+        f"saved '{slot.key}' (a {what}) reaches argument {position - 1} of {_op_name(op)}, where the "
+        "backend would specialise it (only the scalar of mul/add/sub/div/pow on a floating tensor can take it)"
+    )
+
+
+def check(plan_: Plan, inputs: Inputs, new: dict[str, int | float]) -> str:
+    """'' when the backward, run with ``new``, does exactly what the template says
+    with those values; else what differs."""
+    ops, error = inputs.record([new[k] for k in inputs.keys])
+    if error is not None:
+        return f"its backward raised on fake tensors ({type(error).__name__}: {first_line(error)})"
+    if len(ops) != len(plan_.template):
+        return f"it runs {len(ops)} ops instead of {len(plan_.template)}"
+    for index, ((op, leaves), (t_op, t_leaves)) in enumerate(zip(ops, plan_.template)):
+        if op != t_op or len(leaves) != len(t_leaves):
+            return f"op {index} is {_op_name(op)} instead of {_op_name(t_op)}"
+        for position, (leaf, expected) in enumerate(zip(leaves, t_leaves)):
+            if isinstance(expected, Slot):
+                value = new[expected.key]
+                expected = float(value) if expected.as_float else value
+            if not same(leaf, expected):
+                return f"argument {position - 1} of {_op_name(op)} is {leaf!r}, not {expected!r}"
+    return ""
+
+
+def rewrite(
+    region: Sequence[torch.fx.Node],
+    kinds: dict[str, str],
+    tensor_for: Callable[[Slot], torch.fx.Node],
+    symint_for: Callable[[Slot], torch.fx.Node],
+) -> None:
+    """Make the sentinels the capture traced with (set 0) the lifted values in the
+    ``region`` of the CA graph the trace recorded: an ``X.Scalar`` op's double (or
+    int cast to double) becomes ``X.Tensor`` of ``tensor_for(slot)`` (a 0-dim
+    float64), an int anywhere becomes ``symint_for(slot)`` (the symbolic scalar)."""
+    sentinels = values(kinds, 0)
+
+    def substitute(leaf: Any) -> Any:
+        slot = None if isinstance(leaf, torch.fx.Node) else _match(leaf, sentinels, kinds)
+        if slot is None:
+            return leaf
+        if slot.kind is opaque.INT and not slot.as_float:
+            return symint_for(slot)
+        raise RuntimeError(f"ca_dynsaved: saved '{slot.key}' at a place its plan refused")
+
+    for node in region:
+        if node.op != "call_function":
+            continue
+        args = list(node.args)
+        if node.target in REWRITES and len(args) > 1:
+            slot = _match(args[1], sentinels, kinds)
+            if slot is not None and (slot.kind is opaque.FLOAT or slot.as_float):
+                node.target = REWRITES[node.target]
+                args[1] = tensor_for(slot)
+        node.args = torch.fx.node.map_aggregate(tuple(args), substitute)
+        node.kwargs = torch.fx.node.map_aggregate(dict(node.kwargs), substitute)
