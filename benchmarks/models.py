@@ -121,13 +121,40 @@ struct DirectSchedAct : public SigmoidGate<DirectSchedAct> {
 };
 
 at::Tensor direct_sched_act(at::Tensor x, double beta, int64_t gain) { return DirectSchedAct::apply(x, beta, gain); }
+
+// A nearly free backward with 4 lifted scalars, not traceable: under the plugin each
+// node runs opaque, so a chain of them times the plugin's own work per node. ALIAS:
+// the backward returns its incoming gradient as is.
+template <bool ALIAS>
+struct TinyFn : public Function<TinyFn<ALIAS>> {
+  static constexpr bool is_traceable = false;
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor x, int64_t a, int64_t b, double s, double t) {
+    ctx->saved_data["a"] = a;
+    ctx->saved_data["b"] = b;
+    ctx->saved_data["s"] = s;
+    ctx->saved_data["t"] = t;
+    return x.clone();
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    at::Tensor g = grad[0];
+    if constexpr (!ALIAS) {
+      auto k = ctx->saved_data["s"].toDouble() + ctx->saved_data["t"].toDouble()
+               + static_cast<double>(ctx->saved_data["a"].toInt() - ctx->saved_data["b"].toInt());
+      g = g * k;
+    }
+    return {g, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor tiny(at::Tensor x, int64_t a, int64_t b, double s, double t) { return TinyFn<false>::apply(x, a, b, s, t); }
+at::Tensor tiny_alias(at::Tensor x, int64_t a, int64_t b, double s, double t) { return TinyFn<true>::apply(x, a, b, s, t); }
 """
 
 
 def build_extension() -> ModuleType:
     os.makedirs(BUILD_DIR, exist_ok=True)
     return load_inline(
-        name="ca_dynsaved_bench_ext", cpp_sources=CPP_SOURCE, functions=["sched_act", "sym_sched_act", "direct_sched_act"],
+        name="ca_dynsaved_bench_ext", cpp_sources=CPP_SOURCE, functions=["sched_act", "sym_sched_act", "direct_sched_act", "tiny", "tiny_alias"],
         build_directory=str(BUILD_DIR),
     )
 
@@ -191,3 +218,32 @@ class Elementwise(torch.nn.Module):
             else:
                 x = self.ext.sched_act(x, beta, gain, flip, mode)
         return x.square().mean()
+
+
+class PyTiny(torch.autograd.Function):
+    """A nearly free Python backward (run opaque with python_policy="opaque")."""
+
+    @staticmethod
+    def forward(ctx, x, a, s):
+        ctx.a, ctx.s = a, s
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * (ctx.s + ctx.a), None, None
+
+
+#: Chain variants of the per-node overhead benchmark.
+CHAIN_VARIANTS = ("cpp", "cpp_alias", "python")
+CHAIN_NODES, CHAIN_ELEMENTS = 20, 16
+
+
+def chain_loss(variant: str, ext: ModuleType, x: torch.Tensor, step: int, varying: bool) -> torch.Tensor:
+    """``CHAIN_NODES`` nearly free custom nodes in a row on ``CHAIN_ELEMENTS`` elements."""
+    k = step % 5 if varying else 1
+    for _ in range(CHAIN_NODES):
+        if variant == "python":
+            x = PyTiny.apply(x, k, 0.5 + k)
+        else:
+            x = (ext.tiny_alias if variant == "cpp_alias" else ext.tiny)(x, k, 1, 0.5 + k, 0.25)
+    return x.sum()

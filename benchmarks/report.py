@@ -21,7 +21,7 @@ CONFIGS = ("eager", "stock_constant", "stock_varying", "plugin_varying", "plugin
 
 
 def table(data: dict) -> str:
-    first = next(r for r in data["results"] if r.get("model") != "capture")
+    first = next(r for r in data["results"] if r.get("model") not in ("capture", "chain"))
     lines = [
         f"Total: the first {first['steps']} steps, compiles included; steady: the smallest "
         f"of {first.get('passes', 3)} passes' median step, values still changing; backend "
@@ -75,6 +75,27 @@ def table(data: dict) -> str:
             lines.append(
                 f"| {r['variant']} | {r['stock_ms']:.1f} | {r['plugin_ms']:.1f} | "
                 f"{r['plugin_ms'] / r['stock_ms']:.2f} | {r['plugin_first_ms']:.1f} |"
+            )
+    chains = [r for r in data["results"] if r.get("model") == "chain"]
+    if chains:
+        c = chains[0]
+        lines += [
+            "",
+            f"Opaque overhead: chains of {c['short']} and {c['long']} custom nodes with a nearly free backward "
+            f"({c['elements']} elements; C++: 4 lifted scalars, not traceable; Python: run opaque with "
+            "python_policy=\"opaque\"; cpp_alias returns its incoming gradient as is). Per node: the slope "
+            "of the steady step between the two chains. Plugin-owned: time in the op outside the user's "
+            "backward call, the runtime wrapper's own work per node, and the op's dispatch (timed alone).",
+            "",
+            "| variant | eager µs/node | stock_constant µs/node | plugin µs/node | plugin - eager µs/node | "
+            "plugin-owned µs/node | of which in op / wrapper / dispatch | user backward call µs |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in chains:
+            lines.append(
+                f"| {r['variant']} | {r['eager_per_node_us']:.1f} | {r['stock_constant_per_node_us']:.1f} | "
+                f"{r['plugin_varying_per_node_us']:.1f} | {r['per_node_vs_eager_us']:.1f} | {r['plugin_owned_us']:.1f} | "
+                f"{r['in_op_us']:.1f} / {r['wrapper_per_node_us']:.1f} / {r['dispatch_us']:.1f} | {r['backward_call_us']:.1f} |"
             )
     direct = {r["config"]: r for r in data["results"] if r.get("variant") == "cpp_direct" and r.get("model") == "elementwise"}
     if "plugin_varying" in direct and "plugin_trust_varying" in direct:

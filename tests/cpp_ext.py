@@ -156,6 +156,17 @@ struct SkipFn : public Function<SkipFn<TRACE>> {
   }
 };
 
+// Returns its incoming gradient as is while the saved int is >= 0, a new tensor
+// (twice the gradient) when it is negative.
+template <bool TRACE>
+struct PassFn : public TimesK<PassFn<TRACE>> {
+  static constexpr bool is_traceable = TRACE;
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    if (ctx->saved_data["k"].toInt() >= 0) return {g[0], at::Tensor()};
+    return {g[0] * 2.0, at::Tensor()};
+  }
+};
+
 // Raises from backward for some saved values (TORCH_CHECK_VALUE: a Python ValueError).
 template <bool TRACE>
 struct ThrowFn : public TimesK<ThrowFn<TRACE>> {
@@ -280,6 +291,8 @@ at::Tensor sym_branch_traceable(at::Tensor x, int64_t a, double s, bool flag) {
 at::Tensor sym_leaky_traceable(at::Tensor x, int64_t a, double s, bool flag) {
   return SymScaleFn<true, 2>::apply(x, a, s, flag);
 }
+at::Tensor pass_traceable(at::Tensor x, int64_t k) { return PassFn<true>::apply(x, k); }
+at::Tensor pass_opaque(at::Tensor x, int64_t k) { return PassFn<false>::apply(x, k); }
 at::Tensor throw_traceable(at::Tensor x, int64_t k) { return ThrowFn<true>::apply(x, k); }
 at::Tensor throw_opaque(at::Tensor x, int64_t k) { return ThrowFn<false>::apply(x, k); }
 at::Tensor mat_traceable(at::Tensor x, at::Tensor w, double s) { return MatFn<true>::apply(x, w, s); }
@@ -340,6 +353,8 @@ FUNCTIONS = [
     "sym_branch_traceable",
     "sym_leaky_traceable",
     "direct_fn",
+    "pass_traceable",
+    "pass_opaque",
 ]
 
 

@@ -206,6 +206,22 @@ def autocast_state() -> AutocastState | None:
 CUDAGRAPH_UNSAFE = torch.Tag.cudagraph_unsafe
 
 
+def without_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` that Dynamo never traces, nor any frame it calls, as under
+    ``torch.compiler.disable``; but marked on its code object, so a call costs
+    nothing (``disable``'s wrapper swaps Dynamo's frame callback out and back on
+    every call: several microseconds for an op run once per node per backward)."""
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    return fn
+
+
+#: Whether two tensors share storage (a view, a detach, the same tensor): one C++ call.
+is_alias_of = torch._C._is_alias_of
+
+
 def validate_outputs_fn() -> Callable[..., Any]:
     """The C++ ``validate_outputs`` functional, bound by the first CA capture."""
     return ca.ops.get("validate_outputs").fn

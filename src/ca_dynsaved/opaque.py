@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -58,6 +59,8 @@ class NodeCapture:
     fn: Callable[..., Any] | None  # C++: CppNode_apply_functional_ivalue<T>; Python: None
     captured: tuple[Any, ...]  # the values of the CAPTURED leaves
     defined: tuple[bool, ...] | None = None  # which outputs its backward returned, once run
+    # per output, the incoming grad it returned as is on that run (its index), or -1
+    passthrough: tuple[int, ...] | None = None
 
 
 _REGISTRY: dict[str, NodeSpec] = {}
@@ -78,17 +81,43 @@ def registry_size() -> int:
 def clear() -> None:
     """Forget every node spec (only safe when no plugin CA graph is cached)."""
     _REGISTRY.clear()
+    _PARSED.clear()
 
 
-# A graph compiled after the first run names the learned undefined outputs in the
-# op's key ("<spec key>/101"), so fake impls and reuse see them as structure.
-def with_defined(key: str, defined: Sequence[bool]) -> str:
-    return key.split("/")[0] + "/" + "".join("1" if d else "0" for d in defined)
+# A graph compiled after the first run names what that run learned in the op's key,
+# so fake impls and reuse see it as structure: the undefined outputs and the outputs
+# that were an incoming grad as is ("<spec key>/101/-1,0,-1"; the last part only
+# when there is one). The graph then uses that grad in place of such an output
+# (reuse.name_learned_outputs), and the op returns None there: no copy.
+def with_learned(key: str, defined: Sequence[bool], passthrough: Sequence[int]) -> str:
+    key = key.split("/")[0] + "/" + "".join("1" if d else "0" for d in defined)
+    if any(j >= 0 for j in passthrough):
+        key += "/" + ",".join(str(j) for j in passthrough)
+    return key
 
 
-def _parse_key(key: str) -> tuple[NodeSpec, tuple[bool, ...] | None]:
-    spec_key, _, bits = key.partition("/")
-    return _REGISTRY[spec_key], (tuple(b == "1" for b in bits) if bits else None)
+@dataclass(frozen=True)
+class _Learned:
+    """What a compiled graph's key says its first run learned (see with_learned)."""
+
+    defined: tuple[bool, ...] | None = None
+    passthrough: tuple[int, ...] | None = None
+
+
+def _parse_key(key: str) -> tuple[NodeSpec, _Learned]:
+    found = _PARSED.get(key)
+    if found is None:
+        spec_key, _, rest = key.partition("/")
+        bits, _, through = rest.partition("/")
+        learned = _Learned(
+            tuple(b == "1" for b in bits) if bits else None,
+            tuple(int(j) for j in through.split(",")) if through else None,
+        )
+        found = _PARSED[key] = (_REGISTRY[spec_key], learned)
+    return found
+
+
+_PARSED: dict[str, tuple[NodeSpec, _Learned]] = {}  # every run parses its keys
 
 
 def _rebuild(spec: NodeSpec, tensors, ints, floats, symints, captured) -> tuple[Any, Any]:  # type: ignore[no-untyped-def]
@@ -171,7 +200,7 @@ def _bound(spec: NodeSpec) -> _Run:
 
 
 @contextlib.contextmanager
-def _caller_autocast(state: _compat.AutocastState | None) -> Iterator[None]:
+def _caller_autocast(state: _compat.AutocastState) -> Iterator[None]:
     """Run a backward under the autocast state of the code that called backward.
 
     Eager's engine runs a custom backward under its caller's autocast state.
@@ -179,9 +208,6 @@ def _caller_autocast(state: _compat.AutocastState | None) -> Iterator[None]:
     is already baked into the ops it traced), but an opaque op's backward was never
     traced: without this its matmuls would run in float32 where eager's run in
     bfloat16."""
-    if state is None:
-        yield
-        return
     devices, cache_enabled = state
     with contextlib.ExitStack() as stack:
         for device, dtype in devices:
@@ -189,36 +215,77 @@ def _caller_autocast(state: _compat.AutocastState | None) -> Iterator[None]:
         yield
 
 
+# --- what the ops cost the plugin (benchmarks/test_opaque_overhead.py) -------------------
+_TIMING: list[dict[str, float]] = []  # non-empty while timing(): the totals being kept
+
+
+@contextlib.contextmanager
+def timing() -> Iterator[dict[str, float]]:
+    """Within the block, add up the seconds the ops spend (``ops``), of which in
+    the user's backward (``backward``), count the calls (``calls``), and add up the
+    runtime wrapper's own seconds before a compiled run (``wrapper``: report, scalar
+    packing): the plugin's own share of an opaque node is ``ops - backward``, the
+    op's dispatch, and ``wrapper`` over the graph's nodes."""
+    totals = {"ops": 0.0, "backward": 0.0, "calls": 0, "wrapper": 0.0}
+    _TIMING.append(totals)
+    try:
+        yield totals
+    finally:
+        _TIMING.remove(totals)
+
+
+def _timed(start: float, backward: float) -> None:
+    totals = _TIMING[-1]
+    totals["ops"] += time.perf_counter() - start
+    totals["backward"] += backward
+    totals["calls"] += 1
+
+
 # --- real impls ----------------------------------------------------------------------
 class UndefinedGradError(RuntimeError):
     """A backward left a different set of gradients undefined than the graph expects."""
 
 
-@torch.compiler.disable
+@_compat.without_dynamo
 def run_cpp(grads, tensors, ints, floats, symints, key, slot):  # type: ignore[no-untyped-def]
     # Excluded from Dynamo: this runs inside backward, which may run inside a
     # compiled frame, and a traced copy would freeze the saved values it read.
-    spec, compiled_defined = _parse_key(key)
+    start = time.perf_counter() if _TIMING else 0.0
+    spec, learned = _parse_key(key)
     run = _bound(spec)
     node = run.nodes[slot]
     int_values, float_values = ints.tolist(), floats.tolist()
     args, out_meta = _rebuild(spec, tensors, int_values, float_values, symints, node.captured)
-    with _caller_autocast(run.autocast):
+    called = time.perf_counter() if _TIMING else 0.0
+    if run.autocast is None:
         outs = node.fn(list(grads), *args)  # type: ignore[misc]
-    return _finish(
-        spec, node, compiled_defined, outs, out_meta, (*grads, *tensors),
+    else:
+        with _caller_autocast(run.autocast):
+            outs = node.fn(list(grads), *args)  # type: ignore[misc]
+    backward = time.perf_counter() - called if _TIMING else 0.0
+    result = _finish(
+        spec, node, learned, outs, out_meta, grads, tensors,
         lambda: f"saved ints {int_values}, floats {float_values}, hashed {node.captured}",
     )
+    if _TIMING:
+        _timed(start, backward)
+    return result
 
 
-@torch.compiler.disable
+@_compat.without_dynamo
 def run_python(grads, saved, symints, key, slot, hook):  # type: ignore[no-untyped-def]
-    spec, compiled_defined = _parse_key(key)
+    start = time.perf_counter() if _TIMING else 0.0
+    spec, learned = _parse_key(key)
     run = _bound(spec)
     node, ctx = run.nodes[slot], run.hooks[hook]
     (positions,), out_meta = _rebuild(spec, saved, (), (), symints, node.captured)
-    with _caller_autocast(run.autocast):
+    called = time.perf_counter() if _TIMING else 0.0
+    if run.autocast is None:
         outs = _compat.call_backward(ctx, list(saved), *grads)
+    else:
+        with _caller_autocast(run.autocast):
+            outs = _compat.call_backward(ctx, list(saved), *grads)
+    backward = time.perf_counter() - called if _TIMING else 0.0
     for i, out in enumerate(outs):
         if out is not None and i not in positions:
             # The engine's own error for this case.
@@ -227,38 +294,76 @@ def run_python(grads, saved, symints, key, slot, hook):  # type: ignore[no-untyp
                 f"position {i + 1}, but the corresponding forward input was not a Variable"
             )
     outs = [outs[i] if i < len(outs) else None for i in positions]
-    return _finish(
-        spec, node, compiled_defined, outs, out_meta, (*grads, *saved),
+    result = _finish(
+        spec, node, learned, outs, out_meta, grads, saved,
         lambda: f"ctx attributes {vars(ctx)}",
     )
+    if _TIMING:
+        _timed(start, backward)
+    return result
 
 
-def _finish(spec, node, compiled_defined, outs, out_meta, inputs, describe_saved):  # type: ignore[no-untyped-def]
+def _finish(spec, node, learned, outs, out_meta, grads, tensors, describe_saved):  # type: ignore[no-untyped-def]
     """Check undefined grads against the graph, validate as the engine does, and
-    return outputs a custom op may return (contiguous, not aliasing an input).
-    ``describe_saved()`` names the saved values, for the error message only."""
-    outs = list(outs) + [None] * (len(spec.out_defined) - len(outs))
-    defined = tuple(v and outs[i] is not None for i, v in enumerate(spec.out_defined))
-    expected = compiled_defined if compiled_defined is not None else node.defined
-    if expected is None:
-        node.defined = defined  # the first run of this capture: learn
-    elif defined != expected:
+    return outputs a custom op may return: contiguous, not aliasing an input, and
+    None where the compiled graph uses the incoming grad the first run returned as
+    is. ``describe_saved()`` names the saved values, for an error message only.
+    Runs for every opaque node of every backward: kept to plain loops."""
+    out_defined = spec.out_defined
+    if len(outs) < len(out_defined):
+        outs = [*outs, *([None] * (len(out_defined) - len(outs)))]
+    defined = tuple([d and outs[i] is not None for i, d in enumerate(out_defined)])
+    expected = learned.defined if learned.defined is not None else node.defined
+    if expected is not None and defined != expected:
         raise UndefinedGradError(_undefined_message(spec, expected, defined, describe_saved()))
-    validated = _compat.validate_outputs_fn()(
-        [o if d else None for o, d in zip(outs, defined)], out_meta
-    )
-    storages = {t.untyped_storage().data_ptr() for t in inputs if t is not None}
+    validated = _validate_outputs()([o if d else None for o, d in zip(outs, defined)], out_meta)
+    if expected is None:  # the first run of this capture: learn
+        node.defined = defined
+        node.passthrough = tuple(
+            next((j for j, g in enumerate(grads) if out is g), -1) if d else -1
+            for out, d in zip(validated, defined)
+        )
+    through = learned.passthrough
     result: list[torch.Tensor | None] = []
-    for out, d in zip(validated, defined):
+    for i, (out, d) in enumerate(zip(validated, defined)):
         if not d:
             result.append(None)
             continue
+        if through is not None and through[i] >= 0:
+            if out is not grads[through[i]]:
+                raise UndefinedGradError(_passthrough_message(spec, i, through[i], describe_saved()))
+            result.append(None)  # the graph uses that grad itself
+            continue
         out = out.contiguous()
-        # Backward often returns the incoming grad as is; a custom op may not.
-        if out.untyped_storage().data_ptr() in storages:
+        # A custom op may not return an alias of an input (a view, a detach, the
+        # tensor itself): a backward that returns its incoming grad on a run
+        # other than the first, or a saved tensor, costs a copy.
+        if any(t is not None and _compat.is_alias_of(out, t) for t in (*grads, *tensors)):
             out = out.clone()
         result.append(out)
     return result
+
+
+def _passthrough_message(spec, i, j, saved_desc) -> str:  # type: ignore[no-untyped-def]
+    return (
+        f"ca_dynsaved: {spec.name} returned a new tensor as gradient for input {i} "
+        f"({saved_desc}), but on the run its compiled graph was built from it returned "
+        f"its incoming gradient {j} as is, which that graph uses without a copy: "
+        "whether a backward passes its gradient through depends on saved values, which "
+        "one compiled graph cannot express. Return a new tensor every time (grad * 1), "
+        "or keep this node stock with enable(exclude=[...])."
+    )
+
+
+_VALIDATE: list[Callable[..., Any]] = []
+
+
+def _validate_outputs() -> Callable[..., Any]:
+    """CA's C++ validate_outputs functional, looked up once (CA binds it at its
+    first capture, which precedes any run of these ops)."""
+    if not _VALIDATE:
+        _VALIDATE.append(_compat.validate_outputs_fn())
+    return _VALIDATE[0]
 
 
 def _undefined_message(spec, expected, got, saved_desc) -> str:  # type: ignore[no-untyped-def]
@@ -303,7 +408,10 @@ _lib.impl("py_function", run_python, "CompositeExplicitAutograd")
 
 
 def _fake_outputs(key: str, tensors, symints) -> list[torch.Tensor | None]:  # type: ignore[no-untyped-def]
-    spec, defined = _parse_key(key)
+    spec, learned = _parse_key(key)
+    defined = learned.defined
+    if learned.passthrough is not None:  # the graph uses the grad itself there
+        defined = tuple(d and j < 0 for d, j in zip(defined or spec.out_defined, learned.passthrough))
     # Saved values only feed the call args; the output metadata holds none of them.
     _, out_meta = _rebuild(
         spec, tensors, defaultdict(int), defaultdict(float), symints, defaultdict(type(None))
@@ -332,6 +440,11 @@ def _(grads, saved, symints, key, slot, hook):  # type: ignore[no-untyped-def]
 #: The OpOverloads CA graphs call.
 CPP_OP = torch.ops.ca_dynsaved.cpp_function.default
 PY_OP = torch.ops.ca_dynsaved.py_function.default
+# Never removed as dead code, by FX, AOTAutograd or inductor: an op whose outputs
+# the graph uses none of (each one the incoming grad, passed on without a copy) must
+# still run the user's backward, which checks that it still passes them through.
+for _op in (CPP_OP, PY_OP):
+    torch.fx.node.has_side_effect(_op)
 #: Direct (differentiable) runners, used when a graph runs with create_graph=True.
 RUNNERS = {CPP_OP: run_cpp, PY_OP: run_python}
 #: Position of the ``key`` argument of each op.

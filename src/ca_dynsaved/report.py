@@ -49,6 +49,9 @@ class KeyReport:
     recompiles: int = 0  # Dynamo recompiles of CA graphs whose failed guard names it
     guard: str = ""  # the newest such failed guard, as Dynamo reported it
     _more: set[str] = field(default_factory=set, repr=False, compare=False)
+    # what see() has seen, for a set lookup per run instead of comparing with each
+    # value kept (it runs for every lifted key of every backward)
+    _seen: set[Any] = field(default_factory=set, repr=False, compare=False)
 
     @property
     def compiles(self) -> int:
@@ -61,13 +64,29 @@ class KeyReport:
         return 1 + self.recompiles if guarded or missed else 0
 
     def see(self, value: Any) -> None:
-        if any(_same(seen, value) for seen in self.values):
+        key = _seen_key(value)
+        if key in self._seen:
             return
+        if len(self._seen) < MAX_VALUES + MAX_COUNTED:
+            self._seen.add(key)
         if len(self.values) < MAX_VALUES:
-            self.values.append(value)
+            if not any(_same(seen, value) for seen in self.values):
+                self.values.append(value)
         elif len(self._more) < MAX_COUNTED:
             self._more.add(repr(value))
             self.more_values = len(self._more)
+
+
+def _seen_key(value: Any) -> Any:
+    """A set key equal for values ``_same`` calls equal: (type, value) for a hashable
+    value (NaN by its repr), (type, repr) for any other."""
+    if type(value) is float and value != value:
+        return (float, "nan")
+    try:
+        hash(value)
+    except TypeError:
+        return (type(value), repr(value))
+    return (type(value), value)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -176,7 +195,7 @@ class Report:
 
 def _key_dict(key: KeyReport) -> dict[str, Any]:
     data = asdict(key) | {"compiles": key.compiles}
-    del data["_more"]
+    del data["_more"], data["_seen"]
     return data
 
 

@@ -23,6 +23,7 @@ CA's own cache shares it across them for a graph it has seen.
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -56,15 +57,24 @@ def canonical_key(gm: torch.fx.GraphModule) -> str:
     return hashlib.sha1(repr((gm.code, identities)).encode()).hexdigest()
 
 
-def name_undefined_outputs(gm: torch.fx.GraphModule, nodes: list[opaque.NodeCapture]) -> None:
-    """Put each opaque node's learned undefined outputs into its key (see opaque)."""
-    for node in gm.graph.nodes:
+def name_learned_outputs(gm: torch.fx.GraphModule, nodes: list[opaque.NodeCapture]) -> None:
+    """Put what each opaque node's first run learned into its key (see opaque): its
+    undefined outputs, and the outputs that were an incoming grad as is, whose users
+    then take that grad's node instead of a copy."""
+    for node in list(gm.graph.nodes):
         index = opaque.KEY_ARG.get(node.target)
-        if index is not None:
-            slot = node.args[index + 1]
-            args = list(node.args)
-            args[index] = opaque.with_defined(args[index], nodes[slot].defined)
-            node.args = tuple(args)
+        if index is None:
+            continue
+        capture = nodes[node.args[index + 1]]
+        through = capture.passthrough or ()
+        args = list(node.args)
+        args[index] = opaque.with_learned(args[index], capture.defined, through)
+        node.args = tuple(args)
+        for user in list(node.users):
+            if user.target is operator.getitem and through and through[user.args[1]] >= 0:
+                user.replace_all_uses_with(node.args[0][through[user.args[1]]])
+                gm.graph.erase_node(user)
+                counters["ca_dynsaved"]["passthrough_outputs"] += 1
     gm.recompile()
 
 

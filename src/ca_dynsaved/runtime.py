@@ -26,6 +26,7 @@ from __future__ import annotations
 import array
 import logging
 import operator
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -183,6 +184,7 @@ def make_runtime_wrapper(
 
     @torch.compiler.disable
     def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
+        start = time.perf_counter() if opaque._TIMING else 0.0
         record.observe(scalars, hooks)
         if kinds is not None:
             if len(scalars) != len(kinds):
@@ -208,7 +210,7 @@ def make_runtime_wrapper(
             # read the packed floats)
             return runtime_wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
         if not compiled and all(node.defined is not None for node in nodes):
-            reuse.name_undefined_outputs(graph_module, nodes)  # new code: mark it again
+            reuse.name_learned_outputs(graph_module, nodes)  # new code: mark it again
             _compat.mark_dynamic_scalars(graph_module.forward.__code__, dynamic_sources)
             fn, record.compiled = reuse.compiled_for(graph_module, compiled_fn, compiler_fn)
             compiled.append(fn)
@@ -221,6 +223,8 @@ def make_runtime_wrapper(
         else:
             counters["ca_dynsaved"]["first_eager_runs"] += 1
             fn = graph_module
+        if opaque._TIMING:
+            opaque._TIMING[-1]["wrapper"] += time.perf_counter() - start
         with opaque.bound_run(hooks, nodes):
             return runtime_wrapper(fn, inputs, sizes, scalars, hooks, packed_inputs)
 
