@@ -39,30 +39,43 @@ def _full(t: torch.Tensor) -> list:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).tolist()
 
 
-def run(rank: int, world: int, port: int, mode: str, same: bool, queue, wrap: str = "ddp") -> None:
-    """mode: "eager", "stock" (stock CA), "plugin" (ca_dynsaved around backward), or "cpp_reducer" (the
-    plugin with DDP's C++ reducer, which CA refuses); wrap: "ddp" or "fsdp2"."""
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        import ca_dynsaved
-        import cpp_ext
-        from torch._dynamo.utils import counters
+def _train(rank: int, mode: str, same: bool, wrap: str) -> dict:
+    """Train a fresh model ``STEPS`` steps; return its grads per step, its
+    parameters (and their types) and the counts."""
+    import ca_dynsaved
+    import cpp_ext
+    from torch._dynamo.utils import counters
 
-        if mode != "cpp_reducer":  # else torch's default: DDP's C++ reducer
-            torch._dynamo.config.optimize_ddp = "python_reducer"
-        torch.manual_seed(0)
-        model = _Model(cpp_ext.load())
-        if wrap == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
+    counters.clear()
+    torch._dynamo.reset()
+    torch._dynamo.utils.clear_compilation_metrics()
+    torch.manual_seed(0)
+    model = _Model(cpp_ext.load())
+    if wrap == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
 
-            fully_shard(model)
+        fully_shard(model.a)
+        fully_shard(model.b)
+        fully_shard(model)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.001)
+    if mode in ("compiled_config", "compiled_config_stock"):
+        # How users combine DDP with CA: the step under torch.compile, CA and the
+        # plugin switched on by config (Dynamo's config path), the Python reducer.
+        torch._dynamo.config.compiled_autograd = True
+        setattr(torch._dynamo.config, ca_dynsaved.CONFIG_FLAG, mode == "compiled_config")
+
+        @torch.compile(backend="aot_eager")
+        def step_fn(x, k, s):
+            model(x, k, s).backward()
+
+    grads = []
+    for step in range(STEPS):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
+        if mode in ("compiled_config", "compiled_config_stock"):
+            step_fn(x, *_values(rank, step, same))
         else:
-            model = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.001)
-        grads = []
-        for step in range(STEPS):
-            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
             loss = model(x, *_values(rank, step, same))
             if mode == "eager":
                 loss.backward()
@@ -72,18 +85,53 @@ def run(rank: int, world: int, port: int, mode: str, same: bool, queue, wrap: st
             else:
                 with ca_dynsaved.enable(backend="aot_eager"):
                     loss.backward()
-            grads.append([_full(p.grad) for p in model.parameters()])
-            opt.step()
-            opt.zero_grad()
-        queue.put({
-            "rank": rank,
-            "grads": grads,
-            "params": [_full(p.detach()) for p in model.parameters()],
-            "compiles": counters["stats"]["unique_graphs"],
-            "captures": counters["compiled_autograd"]["captures"],
-            "graph_breaks": sum(counters["graph_break"].values()),
-        })
-    except BaseException as e:  # report, do not hang the parent
+        grads.append([_full(p.grad) for p in model.parameters()])
+        opt.step()
+        opt.zero_grad()
+    torch._dynamo.config.compiled_autograd = False
+    setattr(torch._dynamo.config, ca_dynsaved.CONFIG_FLAG, False)
+    from ca_dynsaved import _compat
+
+    # Dynamo's compiles of CA graphs have compile ids "!<capture>/..."
+    ca_compiles = sum(
+        1 for m in _compat.compilation_metrics() if str(m.compile_id or "").startswith("!") and not m.fail_reason
+    )
+    return {
+        "rank": rank,
+        "ca_compiles": ca_compiles,
+        "recompile_reasons": [
+            (str(m.compile_id), (m.recompile_reason or "")[:300])
+            for m in _compat.compilation_metrics()
+            if m.recompile_reason
+        ],
+        "grads": grads,
+        "params": [_full(p.detach()) for p in model.parameters()],
+        "param_types": sorted({type(p).__name__ for p in model.parameters()}),
+        "compiles": counters["stats"]["unique_graphs"],
+        "captures": counters["compiled_autograd"]["captures"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
+
+
+def run(rank: int, world: int, port: int, modes: list[str], same: bool, queue, wrap: str = "ddp") -> None:
+    """Train once per mode, in this process: "eager", "stock" (stock CA around
+    backward), "plugin" (ca_dynsaved around backward), "compiled_config" (see
+    _train), or "cpp_reducer" (the plugin with DDP's C++ reducer, which CA refuses);
+    wrap: "ddp" or "fsdp2". Puts {"rank", mode: result or {"error", "traceback"}}."""
+    out: dict = {"rank": rank}
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        for mode in modes:
+            # DDP picks its reducer when it is built: torch's default is the C++ one.
+            torch._dynamo.config.optimize_ddp = "ddp_optimizer" if mode == "cpp_reducer" else "python_reducer"
+            try:
+                out[mode] = _train(rank, mode, same, wrap)
+            except Exception as e:  # report, do not hang the parent
+                out[mode] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+                dist.barrier()  # every rank fails at the same point, before any collective
+        queue.put(out)
+    except BaseException as e:
         queue.put({"rank": rank, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
     finally:
         if dist.is_initialized():

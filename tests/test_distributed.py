@@ -1,5 +1,6 @@
-"""The plugin inside DistributedDataParallel and FSDP2: 2 CPU processes, gloo,
-loopback; every rank compared with the same run in eager."""
+"""The plugin inside DistributedDataParallel and FSDP2: CPU processes, gloo,
+loopback; every rank compared with the same run in eager. Three launches (each
+rank trains once per mode, in one process), every child killed on timeout."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.multiprocessing as mp
 
 import ddp_worker
 
-TIMEOUT_S = 240
+TIMEOUT_S = 150
 
 
 def _free_port() -> int:
@@ -20,64 +21,112 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(mode: str, same: bool, world: int = 2, wrap: str = "ddp") -> list[dict]:
+def _launch(modes: list[str], same: bool, world: int, wrap: str) -> list[dict]:
     """Run ``world`` ranks; kill them all if any does not answer in time."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=ddp_worker.run, args=(r, world, port, mode, same, queue, wrap)) for r in range(world)]
+    procs = [ctx.Process(target=ddp_worker.run, args=(r, world, port, modes, same, queue, wrap)) for r in range(world)]
     for p in procs:
         p.start()
     try:
         results = [queue.get(timeout=TIMEOUT_S) for _ in procs]
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=10)
             if p.is_alive():
                 p.kill()
                 p.join()
+    for r in results:
+        assert "error" not in r, r.get("traceback")
     return sorted(results, key=lambda r: r["rank"])
 
 
-def _assert_same_training(got: list[dict], want: list[dict]) -> None:
-    for g, w in zip(got, want):
-        assert "error" not in g, g.get("traceback")
-        assert "error" not in w, w.get("traceback")
-        for step, (gg, wg) in enumerate(zip(g["grads"], w["grads"])):
-            for a, b in zip(gg, wg):
-                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), msg=lambda m, step=step: f"step {step}: {m}")
-        for a, b in zip(g["params"], w["params"]):
-            torch.testing.assert_close(torch.tensor(a), torch.tensor(b))
+@pytest.fixture(scope="module")
+def ddp_2_ranks(ext) -> list[dict]:
+    return _launch(["eager", "plugin", "cpp_reducer"], same=False, world=2, wrap="ddp")
 
 
-@pytest.mark.parametrize("same", [True, False], ids=["same_values", "values_differ_by_rank"])
-def test_ddp_matches_eager_ddp_with_one_compile_per_rank(ext, same):
-    eager = _launch("eager", same)
-    plugin = _launch("plugin", same)
-    _assert_same_training(plugin, eager)
-    for p in plugin:
-        # DDP's Python reducer hooks are in the CA graph: one capture, one compile.
-        assert (p["captures"], p["compiles"], p["graph_breaks"]) == (1, 1, 0)
-    # The ranks stay in step: the parameters agree across ranks.
-    for a, b in zip(plugin[0]["params"], plugin[1]["params"]):
+@pytest.fixture(scope="module")
+def ddp_4_ranks_compiled(ext) -> list[dict]:
+    return _launch(["eager", "compiled_config_stock", "compiled_config"], same=True, world=4, wrap="ddp")
+
+
+@pytest.fixture(scope="module")
+def fsdp2_2_ranks(ext) -> list[dict]:
+    return _launch(["eager", "stock", "plugin"], same=True, world=2, wrap="fsdp2")
+
+
+def _ok(result: dict) -> dict:
+    assert "error" not in result, result.get("traceback")
+    return result
+
+
+def _assert_same_training(got: dict, want: dict) -> None:
+    for step, (gg, wg) in enumerate(zip(_ok(got)["grads"], _ok(want)["grads"], strict=True)):
+        for a, b in zip(gg, wg, strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), msg=lambda m, step=step: f"step {step}: {m}")
+    for a, b in zip(got["params"], want["params"], strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b))
 
 
-def test_fsdp2_matches_stock_compiled_autograd(ext):
-    """FSDP2 (fully_shard) runs under compiled autograd on CPU/gloo, but stock CA's
-    gradients there differ from eager FSDP2's (torch 2.13/2.14; see README), so the
-    reference is stock CA: the plugin must change the compile count, nothing else."""
-    stock = _launch("stock", True, wrap="fsdp2")
-    plugin = _launch("plugin", True, wrap="fsdp2")
-    _assert_same_training(plugin, stock)
-    # First step: the sharded parameters have no grads yet, another graph.
-    assert [(r["captures"], r["compiles"]) for r in stock] == [(2, 9)] * 2
-    assert [(r["captures"], r["compiles"], r["graph_breaks"]) for r in plugin] == [(2, 1, 0)] * 2
+def _assert_ranks_agree(results: list[dict], mode: str) -> None:
+    for other in results[1:]:
+        for a, b in zip(results[0][mode]["params"], other[mode]["params"], strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b))
 
 
-def test_cpp_reducer_is_refused_with_torchs_message(ext):
+def test_ddp_matches_eager_ddp_with_one_compile_per_rank(ddp_2_ranks):
+    """The plugin around backward, saved values differing by rank."""
+    for r in ddp_2_ranks:
+        _assert_same_training(r["plugin"], r["eager"])
+        # DDP's Python reducer hooks are in the CA graph: one capture, one compile.
+        assert (r["plugin"]["captures"], r["plugin"]["compiles"], r["plugin"]["graph_breaks"]) == (1, 1, 0)
+    _assert_ranks_agree(ddp_2_ranks, "plugin")
+
+
+def test_ddp_compiled_model_on_the_config_path_4_ranks(ddp_4_ranks_compiled):
+    """The training step under torch.compile with compiled_autograd on (and the
+    plugin's flag, or not: stock), optimize_ddp="python_reducer", 4 ranks:
+    parameters and every step's gradients equal eager DDP's on each rank."""
+    for r in ddp_4_ranks_compiled:
+        got, stock = r["compiled_config"], r["compiled_config_stock"]
+        _assert_same_training(got, r["eager"])
+        _assert_same_training(stock, r["eager"])
+        # Both: 2 CA captures (the forward's first compile and its recompile on k
+        # give two autograd graphs) and 7 graph breaks (Dynamo cannot trace the
+        # pybind C++ function in the forward; loss.backward()). CA graph compiles:
+        # stock recompiles on the saved values to the limit (8); the plugin needs 3
+        # (one per capture, and CA's own recompile when a size of a graph input
+        # changes between 1 and more). The forward frames compile alike (5).
+        assert (stock["captures"], stock["ca_compiles"], stock["graph_breaks"]) == (2, 8, 7)
+        assert (got["captures"], got["ca_compiles"], got["graph_breaks"]) == (2, 3, 7)
+        assert got["compiles"] - got["ca_compiles"] == stock["compiles"] - stock["ca_compiles"] == 5
+    _assert_ranks_agree(ddp_4_ranks_compiled, "compiled_config")
+
+
+def test_cpp_reducer_is_refused_with_torchs_message(ddp_2_ranks):
     """DDP picks its reducer when it is built, before any backward; the plugin
     cannot switch it then, so it leaves torch's own error, which names the fix."""
-    results = _launch("cpp_reducer", True)
-    for r in results:
-        assert 'optimize_ddp="python_reducer"' in r["error"], r
+    for r in ddp_2_ranks:
+        assert 'optimize_ddp="python_reducer"' in r["cpp_reducer"]["error"], r["cpp_reducer"]
+
+
+def test_fsdp2_stock_ca_drops_the_post_backward_and_the_plugin_refuses(fsdp2_2_ranks):
+    """fully_shard on each Linear and the root. Eager FSDP2 ends with sharded
+    (DTensor) parameters. Under stock compiled autograd FSDP2's post-backward
+    callback never runs: the parameters stay plain unsharded Parameters, trained on
+    unreduced gradients, and differ from eager's. The plugin raises instead, before
+    the graph runs, naming the hook and the reason."""
+    for r in fsdp2_2_ranks:
+        assert _ok(r["eager"])["param_types"] == ["DTensor"]
+        stock = _ok(r["stock"])
+        assert stock["param_types"] == ["Parameter"]
+        diff = max(
+            (torch.tensor(a) - torch.tensor(b)).abs().max().item()
+            for a, b in zip(stock["params"], r["eager"]["params"], strict=True)
+        )
+        assert diff > 1e-3
+        error = r["plugin"]["error"]
+        assert error.startswith("FSDP2Error: ca_dynsaved: this backward holds FSDP2's FSDPState._pre_backward hook"), error
+        assert "post-backward callback" in error

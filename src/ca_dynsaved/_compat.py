@@ -218,6 +218,20 @@ def without_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
+# --- FSDP2 (torch.distributed.fsdp.fully_shard) ----------------------------------------
+_FSDP2_MODULE = "torch.distributed.fsdp._fully_shard"
+
+
+def fsdp2_hook(hooks: Sequence[Any]) -> str | None:
+    """The name of an FSDP2 hook among a CA run's ``hooks`` (FSDP2 registers its
+    bound ``FSDPState._pre_backward`` on every module output), or None."""
+    for hook in hooks:
+        owner = getattr(hook, "__self__", None)
+        if owner is not None and type(owner).__module__.startswith(_FSDP2_MODULE):
+            return f"{type(owner).__name__}.{getattr(hook, '__name__', '?')}"
+    return None
+
+
 #: Whether two tensors share storage (a view, a detach, the same tensor): one C++ call.
 is_alias_of = torch._C._is_alias_of
 

@@ -470,6 +470,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
     @_disable
     def end_capture(self, outputs):  # type: ignore[no-untyped-def,override]
         runtime_wrapper, compiled_fn = super().end_capture(outputs)
+        runtime_wrapper = runtime.refusing_fsdp2(runtime_wrapper)
         if log.isEnabledFor(logging.INFO):
             for node in self._capture.nodes:
                 what = f"{node.handling} ({node.reason})" if node.reason else node.handling

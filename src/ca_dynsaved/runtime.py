@@ -163,6 +163,39 @@ def fallback_graph(gm: torch.fx.GraphModule, fallbacks: Sequence[Fallback]) -> t
     return torch.fx.GraphModule(gm, graph)
 
 
+class FSDP2Error(RuntimeError):
+    """FSDP2 under compiled autograd on a torch that drops its post-backward."""
+
+
+def refusing_fsdp2(runtime_wrapper: Callable[..., Any]) -> Callable[..., Any]:
+    """CA's ``runtime_wrapper``, checking on a capture's first run that no FSDP2
+    hook is in it. FSDP2's pre-backward hook queues its post-backward (reduce-scatter,
+    reshard) with ``Variable._execution_engine.queue_callback``; under compiled
+    autograd on torch 2.13 / 2.14 that callback never runs, so gradients are never
+    reduced and parameters stay unsharded: stock CA trains wrong silently (README,
+    "Distributed training", has the repro). Raised before the graph runs, so
+    nothing has been mutated."""
+    checked: list[bool] = []
+
+    @torch.compiler.disable
+    def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
+        if not checked:
+            hook = _compat.fsdp2_hook(hooks)
+            if hook is not None:
+                raise FSDP2Error(
+                    f"ca_dynsaved: this backward holds FSDP2's {hook} hook. Under compiled "
+                    f"autograd on torch {torch.__version__}, FSDP2's post-backward callback "
+                    "(queued with Variable._execution_engine.queue_callback) never runs: "
+                    "gradients are not reduce-scattered and parameters stay unsharded, so "
+                    "stock compiled autograd trains wrong silently. Run FSDP2 backwards "
+                    "without compiled autograd (README, \"Distributed training\")."
+                )
+            checked.append(True)
+        return runtime_wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
+
+    return wrapper
+
+
 def make_runtime_wrapper(
     runtime_wrapper: Callable[..., Any],
     graph_module: torch.fx.GraphModule,
