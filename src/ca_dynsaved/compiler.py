@@ -436,27 +436,31 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             sentinel.rewrite(
                 region,
                 kinds,
-                lambda slot, s=symbols: self._packed_value_node(s[slot.key], slot.as_float, selects),
+                lambda slot, s=symbols: self._packed_value_node(s[slot.key].node, slot.as_float, selects),
                 lambda slot, s=symbols: self.to_proxy(s[slot.key]).node,
             )
         if self._traced_floats:
-            float_index = {
-                index: self._lifted[node][1]
-                for node, (index, _) in self._lifted_at.items()
-                if self._lifted[node][0] is opaque.FLOAT
+            floats = {
+                index: symnode
+                for symnode, (index, _) in self._lifted_at.items()
+                if self._lifted[symnode][0] is opaque.FLOAT
             }
-            getitems = cpptrace.float_getitems(self.scalars_proxy.node, float_index)
-            cpptrace.rewrite_float_scalars(self.fx_tracer.graph, getitems, self._packed_scalar_proxies()[1].node)
+            cpptrace.rewrite_float_scalars(
+                self.fx_tracer.graph,
+                cpptrace.float_getitems(self.scalars_proxy.node, floats),
+                lambda symnode: self._packed_value_node(symnode, False, selects),
+            )
         self._graph_module = super().create_graph_module(id)
         return self._graph_module
 
-    def _packed_value_node(self, symbol: Any, as_float: bool, selects: dict[tuple[Any, bool], torch.fx.Node]) -> torch.fx.Node:
-        """A 0-dim tensor node of lifted ``symbol``'s packed value (float64 when
-        ``as_float``), placed right after the packed tensors' nodes."""
-        found = selects.get((symbol.node, as_float))
+    def _packed_value_node(self, symnode: Any, as_float: bool, selects: dict[tuple[Any, bool], torch.fx.Node]) -> torch.fx.Node:
+        """A 0-dim tensor node of the lifted scalar ``symnode``'s packed value (an int
+        cast to float64 when ``as_float``), placed right after the packed tensors'
+        nodes; one per (scalar, as_float) in ``selects``."""
+        found = selects.get((symnode, as_float))
         if found is not None:
             return found
-        kind, index = self._lifted[symbol.node]
+        kind, index = self._lifted[symnode]
         graph = self.fx_tracer.graph
         packed = self._packed_scalar_proxies()[0 if kind is opaque.INT else 1].node
         with graph.inserting_after(packed):
@@ -464,7 +468,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         if as_float:
             with graph.inserting_after(node):
                 node = graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": torch.float64})
-        selects[(symbol.node, as_float)] = node
+        selects[(symnode, as_float)] = node
         return node
 
     @_disable

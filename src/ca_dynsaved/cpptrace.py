@@ -37,14 +37,13 @@ in (``trace_cpp``) are traced by ``sentinel``, through the same ``trace``.
 from __future__ import annotations
 
 import operator
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-
-from . import _compat
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from . import _compat
 from .probe import FLOAT_HINT, INT_HINT, Verdict, fake_like, first_line, run_symbolic
 
 aten = torch.ops.aten
@@ -165,45 +164,40 @@ def size_dependence(name: str, fn: Any, args: Sequence[Any]) -> str:
     sizes' order, a specialisation), no size reaching an op argument, no error (a
     C++ ``sizes()`` on symbolic sizes raises). Contiguous inputs only."""
     keys, values, rest = _compat.split_cpp_node_args(args)
-    layout = []
-    for t in rest[0]:
-        if isinstance(t, torch.Tensor):
-            sizes, strides = _compat.size_hints(t)
-            layout.append((tuple(sizes), tuple(strides), t.dtype, t.device))
-        else:
-            layout.append(t)
-    grads = [_compat.tensor_from_variable_info(info, concrete=True) for info in rest[4]]
-    layout.extend((tuple(g.shape), g.dtype, g.device) for g in grads)
-    key = (name, tuple(keys), tuple(type(v).__name__ for v in values), tuple(layout))
+    # (sizes, strides, dtype, device) of each saved tensor (else the value), and of
+    # each incoming grad (output_info): the cache key, and what the probe fakes
+    saved = [
+        (*map(tuple, _compat.size_hints(t)), t.dtype, t.device) if isinstance(t, torch.Tensor) else t
+        for t in rest[0]
+    ]
+    grads = []
+    for info in rest[4]:
+        g = _compat.tensor_from_variable_info(info, concrete=True)
+        grads.append((tuple(g.shape), tuple(g.stride()), g.dtype, g.device))
+    key = (name, tuple(keys), tuple(type(v).__name__ for v in values), tuple(saved), tuple(grads))
     found = _SIZES.get(key)
     if found is None:
-        found = _SIZES[key] = _probe_sizes(fn, keys, values, rest)
+        found = _SIZES[key] = _probe_sizes(fn, keys, values, rest, saved, grads)
     return found
 
 
-def _probe_sizes(fn: Any, keys: list[str], values: list[Any], rest: list[Any]) -> str:
-    shapes: list[Any] = []
-    for t in rest[0]:
-        if isinstance(t, torch.Tensor):
-            sizes, strides = _compat.size_hints(t)
-            if list(strides) != _contiguous_strides(sizes):
-                return "a saved tensor is not contiguous (sizes are only probed on contiguous ones)"
-            shapes.append((sizes, t.dtype, t.device))
-        else:
-            shapes.append(t)
-    grads = [_compat.tensor_from_variable_info(info, concrete=True) for info in rest[4]]
-    distinct = {s for shape in [*(x[0] for x in shapes if isinstance(x, tuple)), *(g.shape for g in grads)] for s in shape if s > 1}
+def _probe_sizes(
+    fn: Any, keys: list[str], values: list[Any], rest: list[Any], saved: list[Any], grads: list[tuple[Any, ...]]
+) -> str:
+    if any(isinstance(x, tuple) and list(x[1]) != _contiguous_strides(x[0]) for x in saved):
+        return "a saved tensor is not contiguous (sizes are only probed on contiguous ones)"
+    distinct = {s for x in [*saved, *grads] if isinstance(x, tuple) for s in x[0] if s > 1}
     numbers = [_compat.concrete(v) for v in values]
     uses = _SymbolicArgs()
 
     def run(symbols: dict[str, Any]) -> None:
-        def make(sizes: Sequence[int], dtype: torch.dtype, device: Any) -> torch.Tensor:
+        def make(sizes: Sequence[int], strides: Any, dtype: torch.dtype, device: Any) -> torch.Tensor:
             return torch.empty([symbols[f"size{s}"] if s > 1 else s for s in sizes], dtype=dtype, device=device)
 
-        saved = [make(*x) if isinstance(x, tuple) else x for x in shapes]
-        fake_grads = [make(g.shape, g.dtype, g.device) for g in grads]
+        fakes = [make(*x) if isinstance(x, tuple) else x for x in saved]
+        fake_grads = [make(*g) for g in grads]
         with uses:
-            fn(fake_grads, keys, *numbers, saved, *_compat.concrete(tuple(rest[1:])))
+            fn(fake_grads, keys, *numbers, fakes, *_compat.concrete(tuple(rest[1:])))
 
     probed = run_symbolic({f"size{s}": s for s in distinct}, run)
     if probed.error is not None:
@@ -224,33 +218,30 @@ def _contiguous_strides(sizes: Sequence[int]) -> list[int]:
     return strides[::-1]
 
 
-def rewrite_float_scalars(graph: torch.fx.Graph, floats: dict[torch.fx.Node, int], packed: torch.fx.Node) -> int:
-    """``X.Scalar(t, scalars[j])`` -> ``X.Tensor(t, packed_floats[i])`` for each lifted
-    float ``j`` (``floats``: its getitem node -> index ``i`` in the packed tensor).
-    Returns how many calls it rewrote."""
+def rewrite_float_scalars(
+    graph: torch.fx.Graph, floats: dict[torch.fx.Node, Any], tensor_for: Callable[[Any], torch.fx.Node]
+) -> int:
+    """``X.Scalar(t, scalars[j])`` -> ``X.Tensor(t, tensor_for(f))`` for each lifted
+    float ``f`` (``floats``: its getitem node -> ``f``; ``tensor_for``: the node of its
+    0-dim value in the packed float64 tensor). Returns how many calls it rewrote."""
     rewritten = 0
-    selects: dict[int, torch.fx.Node] = {}
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in REWRITES or len(node.args) < 2:
             continue
         scalar = node.args[1]
         if not isinstance(scalar, torch.fx.Node) or scalar not in floats:
             continue
-        index = floats[scalar]
-        if index not in selects:
-            with graph.inserting_after(packed):
-                selects[index] = graph.call_function(aten.select.int, (packed, 0, index))
         node.target = REWRITES[node.target]
-        node.args = (node.args[0], selects[index], *node.args[2:])
+        node.args = (node.args[0], tensor_for(floats[scalar]), *node.args[2:])
         rewritten += 1
     return rewritten
 
 
-def float_getitems(scalars: torch.fx.Node, float_index: dict[int, int]) -> dict[torch.fx.Node, int]:
-    """Every ``scalars[j]`` node of a lifted float ``j`` -> its index in the packed
-    float64 tensor (``float_index``: j -> that index)."""
+def float_getitems(scalars: torch.fx.Node, lifted: dict[int, Any]) -> dict[torch.fx.Node, Any]:
+    """Every ``scalars[j]`` node of a lifted float -> ``lifted[j]`` (``lifted``: the
+    index j among all lifted scalars -> what the caller names that float by)."""
     return {
-        n: float_index[n.args[1]]
+        n: lifted[n.args[1]]
         for n in scalars.users
-        if n.op == "call_function" and n.target is operator.getitem and n.args[1] in float_index
+        if n.op == "call_function" and n.target is operator.getitem and n.args[1] in lifted
     }

@@ -23,6 +23,7 @@ produce the same graph, and ``reuse.py`` can give them one compiled function.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import threading
 import time
@@ -241,6 +242,18 @@ def _timed(start: float, backward: float) -> None:
     totals["calls"] += 1
 
 
+def _call_backward(run: _Run, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """``fn(*args)`` (the user's backward) under the caller's autocast state, and its
+    seconds while timing (else 0)."""
+    called = time.perf_counter() if _TIMING else 0.0
+    if run.autocast is None:  # no contextmanager on the common path
+        outs = fn(*args)
+    else:
+        with _caller_autocast(run.autocast):
+            outs = fn(*args)
+    return outs, (time.perf_counter() - called if _TIMING else 0.0)
+
+
 # --- real impls ----------------------------------------------------------------------
 class UndefinedGradError(RuntimeError):
     """A backward left a different set of gradients undefined than the graph expects."""
@@ -256,13 +269,7 @@ def run_cpp(grads, tensors, ints, floats, symints, key, slot):  # type: ignore[n
     node = run.nodes[slot]
     int_values, float_values = ints.tolist(), floats.tolist()
     args, out_meta = _rebuild(spec, tensors, int_values, float_values, symints, node.captured)
-    called = time.perf_counter() if _TIMING else 0.0
-    if run.autocast is None:
-        outs = node.fn(list(grads), *args)  # type: ignore[misc]
-    else:
-        with _caller_autocast(run.autocast):
-            outs = node.fn(list(grads), *args)  # type: ignore[misc]
-    backward = time.perf_counter() - called if _TIMING else 0.0
+    outs, backward = _call_backward(run, node.fn, list(grads), *args)  # type: ignore[arg-type]
     result = _finish(
         spec, node, learned, outs, out_meta, grads, tensors,
         lambda: f"saved ints {int_values}, floats {float_values}, hashed {node.captured}",
@@ -279,13 +286,7 @@ def run_python(grads, saved, symints, key, slot, hook):  # type: ignore[no-untyp
     run = _bound(spec)
     node, ctx = run.nodes[slot], run.hooks[hook]
     (positions,), out_meta = _rebuild(spec, saved, (), (), symints, node.captured)
-    called = time.perf_counter() if _TIMING else 0.0
-    if run.autocast is None:
-        outs = _compat.call_backward(ctx, list(saved), *grads)
-    else:
-        with _caller_autocast(run.autocast):
-            outs = _compat.call_backward(ctx, list(saved), *grads)
-    backward = time.perf_counter() - called if _TIMING else 0.0
+    outs, backward = _call_backward(run, _compat.call_backward, ctx, list(saved), *grads)
     for i, out in enumerate(outs):
         if out is not None and i not in positions:
             # The engine's own error for this case.
@@ -355,15 +356,11 @@ def _passthrough_message(spec, i, j, saved_desc) -> str:  # type: ignore[no-unty
     )
 
 
-_VALIDATE: list[Callable[..., Any]] = []
-
-
+@functools.cache
 def _validate_outputs() -> Callable[..., Any]:
     """CA's C++ validate_outputs functional, looked up once (CA binds it at its
     first capture, which precedes any run of these ops)."""
-    if not _VALIDATE:
-        _VALIDATE.append(_compat.validate_outputs_fn())
-    return _VALIDATE[0]
+    return _compat.validate_outputs_fn()
 
 
 def _undefined_message(spec, expected, got, saved_desc) -> str:  # type: ignore[no-untyped-def]

@@ -16,9 +16,10 @@
   a derivative cuts; CA's cache does not tell such calls apart, so those calls run
   the captured graph eagerly with each opaque op replaced by a direct call.
 * Verify (``enable(verify=True)``): an opted-in traced C++ node (``sentinel``) has
-  a ``Check``; each new tuple of its saved numbers is re-traced on fake tensors
-  before the compiled graph may use it. A refused tuple runs that step on a copy of
-  the graph where the node is an opaque op instead, eagerly (``Fallback``).
+  a ``Check``; each new tuple of its saved numbers is re-run (``sentinel.check``)
+  before the compiled graph may use it. A refused tuple runs that step eagerly on a
+  copy of the graph where the node's C++ functional is called directly instead of
+  its traced ops (``Fallback``).
 """
 
 from __future__ import annotations
@@ -227,12 +228,12 @@ def make_runtime_wrapper(
                 )
             scalars = [*scalars, *pack(scalars, kinds)]
         if checks:
-            refused = tuple(i for i, check in enumerate(checks) if check.refusal(scalars))
-            if refused:
+            reasons = {i: reason for i, check in enumerate(checks) if (reason := check.refusal(scalars))}
+            if reasons:
                 counters["ca_dynsaved"]["verify_fallbacks"] += 1
-                for i in refused:
-                    values = [scalars[j] for j in checks[i].indices]
-                    record.refuse(checks[i].name, checks[i].named(values), checks[i].refusal(scalars))
+                for i, reason in reasons.items():
+                    record.refuse(checks[i].name, checks[i].named([scalars[j] for j in checks[i].indices]), reason)
+                refused = tuple(reasons)
                 gm = fallbacks.get(refused)
                 if gm is None:
                     gm = fallbacks[refused] = fallback_graph(graph_module, [checks[i].fallback for i in refused])

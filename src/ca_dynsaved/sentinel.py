@@ -11,8 +11,8 @@ cast to double) as the packed float64 tensor, the op switched from ``X.Scalar`` 
 
 The user's word is checked as far as it can be:
 
-* ``plan`` (once per function and layout) traces the backward twice on fake
-  tensors, with two sentinel sets that differ in sign, parity and magnitude, and
+* ``plan`` (once per function and layout) traces the backward twice on small
+  real tensors (``Inputs.record``), with two sentinel sets that differ in sign, parity and magnitude, and
   compares: the same ops, every argument either equal in both or the sentinel of
   the same saved number in both. A branch taken differently, ``k % 2``, ``2 *
   alpha``, a number used as a size: refused, with a warning naming the node, the op
@@ -20,10 +20,11 @@ The user's word is checked as far as it can be:
   ``X.Scalar`` op's scalar on a floating tensor; anywhere else the backend would
   specialise it.
 * Two sentinels cannot see everything (a branch both take the same way,
-  ``std::min(k, 64)`` with both above 64). ``verify=True`` re-traces the node on
-  fake tensors with each *new* value before the compiled graph uses it, and
-  compares with the plan's template; on a difference that step runs the node
-  opaque (``Check``), and the report names the node and the value.
+  ``std::min(k, 64)`` with both above 64). ``verify`` (on by default) re-traces the
+  node the same way with each *new* value before the compiled graph uses it
+  (``check``), and compares with the plan's template; on a difference that step
+  runs the node directly (``runtime.Check``), and the report names the node and
+  the value.
 """
 
 from __future__ import annotations
@@ -39,9 +40,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import _compat, opaque
 from .cpptrace import REWRITES
 from .probe import first_line
-
-aten = torch.ops.aten
-
 
 def sentinel(kind: str, n: int, which: int) -> int | float:
     """The ``which``-th (0 or 1) sentinel of the ``n``-th saved number of ``kind``.
@@ -224,10 +222,6 @@ def same(a: Any, b: Any) -> bool:
         return a is b
 
 
-def _op_name(op: Any) -> str:
-    return str(op)
-
-
 def _plan(inputs: Inputs, kinds: dict[str, str]) -> Plan:
     sentinels = [values(kinds, 0), values(kinds, 1)]
     traces = []
@@ -243,14 +237,14 @@ def _plan(inputs: Inputs, kinds: dict[str, str]) -> Plan:
     template = []
     for index, ((op, a_leaves), (_, b_leaves)) in enumerate(zip(first, second)):
         if len(a_leaves) != len(b_leaves):
-            return Plan(False, f"the arguments of {_op_name(op)} (op {index}) depend on saved values")
+            return Plan(False, f"the arguments of {op} (op {index}) depend on saved values")
         leaves = []
         for position, (a, b) in enumerate(zip(a_leaves, b_leaves)):
             slot_a = _match(a, sentinels[0], kinds)
             slot_b = _match(b, sentinels[1], kinds)
             if slot_a is not None or slot_b is not None:
                 if slot_a != slot_b:
-                    return Plan(False, f"argument {position - 1} of {_op_name(op)} is computed from a saved value ({a!r}, then {b!r})")
+                    return Plan(False, f"argument {position - 1} of {op} is computed from a saved value ({a!r}, then {b!r})")
                 refusal = _placement(op, a_leaves, position, slot_a)
                 if refusal:
                     return Plan(False, refusal)
@@ -258,7 +252,7 @@ def _plan(inputs: Inputs, kinds: dict[str, str]) -> Plan:
             elif same(a, b):
                 leaves.append(a)
             else:
-                return Plan(False, f"argument {position - 1} of {_op_name(op)} is computed from a saved value ({a!r}, then {b!r})")
+                return Plan(False, f"argument {position - 1} of {op} is computed from a saved value ({a!r}, then {b!r})")
         template.append((op, tuple(leaves)))
     used = sorted({leaf.key for _, leaves in template for leaf in leaves if isinstance(leaf, Slot)})
     return Plan(True, "uses its saved numbers only as op arguments: " + (", ".join(used) or "none"), tuple(template), dict(kinds))
@@ -274,7 +268,7 @@ def _placement(op: Any, leaves: tuple[Any, ...], position: int, slot: Slot) -> s
         return ""
     what = "int cast to double" if slot.as_float else "double"
     return (
-        f"saved '{slot.key}' (a {what}) reaches argument {position - 1} of {_op_name(op)}, where the "
+        f"saved '{slot.key}' (a {what}) reaches argument {position - 1} of {op}, where the "
         "backend would specialise it (only the scalar of mul/add/sub/div/pow on a floating tensor can take it)"
     )
 
@@ -284,18 +278,18 @@ def check(plan_: Plan, inputs: Inputs, new: dict[str, int | float]) -> str:
     with those values; else what differs."""
     ops, error = inputs.record([new[k] for k in inputs.keys])
     if error is not None:
-        return f"its backward raised on fake tensors ({type(error).__name__}: {first_line(error)})"
+        return f"its backward raised ({type(error).__name__}: {first_line(error)})"
     if len(ops) != len(plan_.template):
         return f"it runs {len(ops)} ops instead of {len(plan_.template)}"
     for index, ((op, leaves), (t_op, t_leaves)) in enumerate(zip(ops, plan_.template)):
         if op != t_op or len(leaves) != len(t_leaves):
-            return f"op {index} is {_op_name(op)} instead of {_op_name(t_op)}"
+            return f"op {index} is {op} instead of {t_op}"
         for position, (leaf, expected) in enumerate(zip(leaves, t_leaves)):
             if isinstance(expected, Slot):
                 value = new[expected.key]
                 expected = float(value) if expected.as_float else value
             if not same(leaf, expected):
-                return f"argument {position - 1} of {_op_name(op)} is {leaf!r}, not {expected!r}"
+                return f"argument {position - 1} of {op} is {leaf!r}, not {expected!r}"
     return ""
 
 
