@@ -190,7 +190,6 @@ def test_fallback_under_create_graph(ext):
 
 @pytest.mark.parametrize("kind", ENTRY_POINTS)
 def test_entry_points_agree(ext, kind):
-    step = _step(ext, DIRECT)
     config = {ca_dynsaved.CONFIG_TRACE_CPP: (NAME,)} if kind == "config" else {}
     options = {} if kind == "config" else {"trace_cpp": [NAME]}
     with torch._dynamo.config.patch(**config), entry_point(kind, **options) as backward:

@@ -9,7 +9,7 @@ import torch
 
 import ca_dynsaved
 from ca_dynsaved.opaque import UndefinedGradError
-from helpers import Counts, counts, leaf_grad_step, run_loop, stock_enable
+from helpers import Counts, counts, leaf_grad_step, run_loop
 
 
 def _multi_step(fn):

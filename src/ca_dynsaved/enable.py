@@ -89,7 +89,7 @@ class enable(contextlib.ContextDecorator):
     arguments: such nodes are traced and fused instead of run opaque, after a
     two-sentinel check that refuses (with a warning) what it can see
     (``ca_dynsaved.sentinel``). ``verify`` (on by default) re-checks each new
-    value of those nodes on fake tensors before the compiled graph uses it, and runs
+    value of those nodes on small tensors before the compiled graph uses it, and runs
     the step with the node called directly when the check refuses: what the
     sentinels cannot see (a branch both take the same way) never gives a wrong
     gradient. ``verify=False`` trusts the assertion and skips that cost. None reads
