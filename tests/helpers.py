@@ -28,6 +28,15 @@ class Counts:
     graph_breaks: int
 
 
+def this_release(expected: dict[str, Any]) -> Any:
+    """The value for the running torch release from ``{"2.11": ..., "2.15": ...}``:
+    a stock baseline that differs between releases is asserted per release, and a
+    release with no measured value fails here instead of passing on a guess."""
+    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert release in expected, f"no expected value measured on torch {release}: {expected}"
+    return expected[release]
+
+
 def counts() -> Counts:
     return Counts(
         captures=counters["compiled_autograd"]["captures"],

@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
 # The GPU check behind README "GPU and CUDA graphs": tests/test_gpu_cuda_graphs.py on a
-# CUDA GPU (inductor and mode="reduce-overhead", a C++ extension built against the
-# CUDA build of torch and a Python function, saved values changing every step).
+# CUDA GPU (inductor and mode="reduce-overhead", a C++ extension built there against
+# the CUDA build of torch, and a Python function, saved values changing every step),
+# then the self-check (python -m ca_dynsaved selfcheck) on the same torch.
 #
 #   bash tests/run_gpu.sh [PYTHON]
 #
-# PYTHON: an interpreter whose torch is a CUDA build of a supported release (tested
-# plan: torch 2.14.1, `pip install torch==2.14.1 -e '.[test]'` in .venv-torch2.14);
-# default .venv-torch2.14/bin/python, else python3. Needs pytest, numpy, hypothesis,
-# g++ and ninja; installs nothing (GPU machines may have no network): the plugin is
-# imported from src/. Writes gpu-log.txt and gpu-report.json to $OUT (or ./gpu-out).
-# Exit status: pytest's, or 2 when this machine cannot run the check (and why).
+# PYTHON: an interpreter whose torch is a CUDA build of a supported release (2.11 to
+# 2.15); default python3: on the GPU machine this workplace lends, its own torch
+# 2.11.0+cu130 on Python 3.12, with pytest, numpy, hypothesis, g++, ninja and nvcc
+# there. Installs nothing (that machine has no network) and needs nothing but the
+# repo: the plugin is imported from src/, the test extension is built into
+# .ext_build/ on first use (about 25 s). Writes gpu-log.txt and gpu-report.json to
+# $OUT (or ./gpu-out). Exit status: pytest's (or the self-check's when pytest
+# passed), or 2 when this machine cannot run the check (and why).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-PY=${1:-}
-if [ -z "$PY" ]; then
-  if [ -x .venv-torch2.14/bin/python ]; then PY=.venv-torch2.14/bin/python; else PY=python3; fi
-fi
+PY=${1:-python3}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -44,4 +44,7 @@ CA_DYNSAVED_GPU_REPORT="$out/gpu-report.json" \
   "$PY" -m pytest tests/test_gpu_cuda_graphs.py -v -rs -p no:cacheprovider 2>&1 | tee -a "$out/gpu-log.txt"
 rc=${PIPESTATUS[0]}
 [ -f "$out/gpu-report.json" ] && cat "$out/gpu-report.json"
+"$PY" -m ca_dynsaved selfcheck --build-dir ".ext_build/selfcheck-$("$PY" -c 'import torch; print(torch.__version__)')" 2>&1 | tee -a "$out/gpu-log.txt"
+check=${PIPESTATUS[0]}
+if [ "$rc" -eq 0 ]; then rc=$check; fi
 exit "$rc"

@@ -3,24 +3,43 @@ plugin uses, are refused at import with a clear error, and nothing is patched.""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from ca_dynsaved import _compat
+import ca_dynsaved
+from ca_dynsaved import _compat, selfcheck
+
+#: The every-release subset (README, "Supported torch releases").
+pytestmark = pytest.mark.every_release
 
 
-@pytest.mark.parametrize("version", ["2.13.0", "2.13.0+cpu", "2.13.1", "2.14.1+cu130"])
+@pytest.mark.parametrize(
+    "version", ["2.11.0", "2.11.0+cu130", "2.12.1", "2.13.0", "2.13.0+cpu", "2.14.1+cu130", "2.15.0", "2.15.0+cu132"]
+)
 def test_tested_release_accepted(version):
+    assert _compat.is_tested_release(version)
     _compat.check_torch_version(version)
 
 
-@pytest.mark.parametrize("version", ["2.12.1", "2.15.0+cu128", "3.0.0"])
-def test_untested_release_refused(version):
-    with pytest.raises(_compat.UnsupportedTorchError, match=f"found torch {version.replace('+', '[+]')}"):
+@pytest.mark.parametrize("version", ["2.10.0", "2.16.0+cu132", "2.16.0.dev20261130", "2.15.0a0+gitabc123", "2.15.0rc1", "3.0.0"])
+def test_untested_release_refused(version, monkeypatch):
+    monkeypatch.delenv(_compat.ALLOW_UNTESTED_ENV, raising=False)
+    assert not _compat.is_tested_release(version)
+    with pytest.raises(_compat.UnsupportedTorchError, match=f"found torch {re.escape(version)}"):
         _compat.check_torch_version(version)
+    monkeypatch.setenv(_compat.ALLOW_UNTESTED_ENV, "1")
+    _compat.check_torch_version(version)  # allowed: the import runs the self-check
+
+
+def test_this_torch_is_a_tested_release():
+    """CI runs the suite on tested releases only: an untested one here is a CI error."""
+    assert not _compat.UNTESTED_TORCH, torch.__version__
 
 
 _IMPORT_AND_REPORT = (
@@ -34,17 +53,21 @@ _IMPORT_AND_REPORT = (
 )
 
 
-def _import_after(setup: str) -> list[str]:
+def _import_after(setup: str, env: dict[str, str] | None = None) -> list[str]:
     """Run ``setup`` then import the plugin in a fresh interpreter: the import error
     (or nothing) and whether torch was patched."""
     code = f"import torch, torch._dynamo.compiled_autograd as ca\n{setup}\n{_IMPORT_AND_REPORT}"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    environ = {k: v for k, v in os.environ.items() if k != _compat.ALLOW_UNTESTED_ENV} | (env or {})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=environ)
     return out.stdout.splitlines()
 
 
 def test_import_on_untested_torch_fails_clearly():
     lines = _import_after("torch.__version__ = '2.99.0'")
-    assert lines[0].startswith("UnsupportedTorchError ca_dynsaved supports torch 2.13, 2.14, found torch 2.99.0")
+    assert lines[0].startswith(
+        "UnsupportedTorchError ca_dynsaved supports torch 2.11, 2.12, 2.13, 2.14, 2.15, found torch 2.99.0"
+    )
+    assert f"set {_compat.ALLOW_UNTESTED_ENV}=1" in lines[0]
     assert lines[1] == "untouched"
 
 
@@ -69,3 +92,105 @@ def test_missing_internals_refused_at_import(missing):
 
 def test_import_succeeds_on_this_torch():
     assert _import_after("") == []
+
+
+# --- an untested release the user allows: the self-check decides ----------------------
+_NIGHTLY = "torch.__version__ = '2.16.0.dev20261130'"
+
+# Scalars stuck at the first run's values: what a torch whose CA passed lifted values
+# some other way would do to the plugin (a wrong gradient from step 1 on).
+_FROZEN_SCALARS = """
+orig = ca.AutogradCompilerInstance.end_capture
+def end_capture(self, outputs):
+    wrapper, fn = orig(self, outputs)
+    first = []
+    def frozen(compiled_fn, inputs, sizes, scalars, hooks, packed):
+        first.append(list(scalars)) if not first else None
+        return wrapper(compiled_fn, inputs, sizes, first[0], hooks, packed)
+    return frozen, fn
+ca.AutogradCompilerInstance.end_capture = end_capture
+"""
+
+_STATE_AFTER_IMPORT = """
+import warnings, json
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import ca_dynsaved
+from ca_dynsaved import _install
+import torch._dynamo.config as c
+x = torch.ones(4, requires_grad=True)
+# a Python function whose ctx holds a str and an int: one compile per str under stock
+# CA (a constant-match guard), one in all under the plugin (it runs opaque)
+class Mode(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mode):
+        ctx.mode, ctx.n = mode, 2
+        return x * 1.0
+    @staticmethod
+    def backward(ctx, g):
+        return g * (ctx.n if ctx.mode == "a" else 3.0), None
+for mode in "abc":
+    x.grad = None
+    with ca_dynsaved.enable(backend="eager"):
+        Mode.apply(x, mode).sum().backward()
+from torch._dynamo.utils import counters
+print(json.dumps({
+    "warnings": [str(w.message) for w in caught if w.category.__name__ == "UntestedTorchWarning"],
+    "hook": ca._enable is _install._enable_hook,
+    "flag": hasattr(c, ca_dynsaved.CONFIG_FLAG),
+    "off": ca_dynsaved.off_reason(),
+    "compiles": counters["stats"]["unique_graphs"],
+}))
+"""
+
+
+def _untested_import(setup: str) -> dict:
+    code = f"import torch, torch._dynamo.compiled_autograd as ca\n{setup}\n{_STATE_AFTER_IMPORT}"
+    env = {k: v for k, v in os.environ.items()} | {_compat.ALLOW_UNTESTED_ENV: "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_untested_torch_allowed_runs_the_self_check_and_switches_on():
+    state = _untested_import(_NIGHTLY)
+    (warning,) = state["warnings"]
+    assert "torch 2.16.0.dev20261130 is not a tested release; the self-check passed" in warning
+    assert state["hook"] and state["flag"] and state["off"] == ""
+    assert state["compiles"] == 1  # the plugin at work: one compile for three values
+
+
+def test_untested_torch_failing_the_self_check_stays_off_and_says_why():
+    state = _untested_import(_NIGHTLY + _FROZEN_SCALARS)
+    (warning,) = state["warnings"]
+    assert "self-check failed on torch 2.16.0.dev20261130: step 1: the weight gradient differs from eager's" in warning
+    assert "The plugin stays off" in warning
+    assert state["off"].startswith("ca_dynsaved self-check failed")
+    # Off: torch unpatched but for the inert config entries; enable() is stock CA,
+    # which compiles once per value of the ctx str.
+    assert not state["hook"] and state["flag"]
+    assert state["compiles"] == 3
+
+
+def test_self_check_passes_on_this_torch():
+    torch._dynamo.utils.counters["user"]["mark"] = 3
+    rng = torch.random.get_rng_state()
+    result = ca_dynsaved.self_check()
+    assert result.passed, str(result)
+    # The caller's counters and random state are as they were.
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert dict(torch._dynamo.utils.counters) == {"user": {"mark": 3}}
+    assert result.counts == selfcheck.EXPECTED
+    assert result.handling == selfcheck.EXPECTED_HANDLING
+
+
+def test_self_check_names_what_differed(monkeypatch):
+    """The comparison itself: a count or a handling other than every tested
+    release's is named (simulated by asking for other numbers)."""
+    monkeypatch.setitem(selfcheck.EXPECTED, "compiles", 2)
+    monkeypatch.setitem(selfcheck.EXPECTED_HANDLING, "_SelfCheckScale", "opaque")
+    result = ca_dynsaved.self_check()
+    assert result.differences == [
+        "compiles: 1, every tested release gives 2",
+        "_SelfCheckScale ran traced-dynamic, every tested release runs it opaque",
+    ]

@@ -13,6 +13,9 @@ import torch
 import ca_dynsaved
 from helpers import Counts, counts, entry_point, frame_breaks, leaf_grad_step, run_loop, stock_enable, ENTRY_POINTS
 
+#: The every-release subset (README, "Supported torch releases").
+pytestmark = pytest.mark.every_release
+
 NAME = "DirectFn"
 DIRECT, TRANSFORMED, PARITY, CAPPED, LEAKY, BRANCH, SIZED = range(7)
 

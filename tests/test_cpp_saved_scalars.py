@@ -8,6 +8,9 @@ import torch
 import ca_dynsaved
 from helpers import Counts, counts, leaf_grad_step, run_loop, scale_args, stock_enable
 
+#: The every-release subset (README, "Supported torch releases").
+pytestmark = pytest.mark.every_release
+
 
 def _scale_step(fn):
     return leaf_grad_step(lambda x, i: fn(x, *scale_args(i)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import pytest
 import torch
@@ -10,6 +11,9 @@ import torch
 import ca_dynsaved
 from ca_dynsaved.opaque import UndefinedGradError
 from helpers import Counts, counts, leaf_grad_step, run_loop
+
+#: The every-release subset (README, "Supported torch releases").
+pytestmark = pytest.mark.every_release
 
 
 def _multi_step(fn):
@@ -129,3 +133,35 @@ def test_unexpected_layout_falls_back_to_stock(ext, variant, monkeypatch):
     # Stock numbers: a compile per value (traced) or a graph split around the call.
     expected = {"traceable": Counts(1, 3, 0), "opaque": Counts(1, 3, 2)}[variant]
     assert counts() == expected
+
+
+def test_cpp_call_is_parsed_once_into_a_record_that_round_trips(ext, monkeypatch):
+    """CA's packed C++ call arguments are parsed once, where the capture receives
+    them, into ``_compat.CppCall``; the record gives back CA's layout unchanged, and
+    the node's parts are where the C++ code put them (4 saved numbers, one saved
+    tensor, one forward output)."""
+    from ca_dynsaved import _compat
+
+    parses: list[Any] = []
+    parse = _compat.CppCall.parse
+
+    def counting(args):
+        parses.append(args)
+        return parse(args)
+
+    monkeypatch.setattr(_compat.CppCall, "parse", staticmethod(counting))
+    x = torch.linspace(-1.0, 1.0, 8, requires_grad=True)
+    with ca_dynsaved.enable(backend="aot_eager"):
+        ext.scale_traceable(x * 2, 3, 1, 0.5, 2.0).sum().backward()
+    (args,) = parses  # one custom-function node, parsed once
+    call = parse(args)
+    assert call.name == _compat.cpp_node_name(args) and call.name.startswith("torch::autograd::CppNode<")
+    kinds = {key: type(value) for key, value in zip(call.keys, call.values)}
+    assert kinds == {"a": torch.SymInt, "b": torch.SymInt, "s": torch.SymFloat, "t": torch.SymFloat}
+    assert len(call.saved) == 1 and isinstance(call.saved[0], torch.Tensor)
+    assert len(call.output_info) == 1
+    rebuilt, n = call.args(), len(call.keys)
+    assert len(rebuilt) == len(args) and list(rebuilt[0]) == list(args[0])
+    assert all(r is a for r, a in zip(rebuilt[1 : 1 + n], args[1 : 1 + n]))  # the values
+    assert all(r is a for r, a in zip(rebuilt[1 + n], args[1 + n], strict=True))  # saved tensors
+    assert all(r is a for r, a in zip(rebuilt[2 + n :], args[2 + n :], strict=True))  # the rest

@@ -11,6 +11,9 @@ import ca_dynsaved
 from helpers import Counts, counts, leaf_grad_step, run_loop, scale_args, stock_enable
 from test_python_ctx import ScaleFn
 
+#: The every-release subset (README, "Supported torch releases").
+pytestmark = pytest.mark.every_release
+
 
 def _a(i: int) -> int:
     return [0, 1, -3, 7, 2, 5, 9, 4, -1, 3, 6, 8][i]

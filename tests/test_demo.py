@@ -5,7 +5,11 @@ from __future__ import annotations
 import re
 
 import cpp_ext
+import pytest
 from ca_dynsaved import demo
+
+#: The every-release subset (README, "Supported torch releases").
+pytestmark = pytest.mark.every_release
 
 
 def test_demo_prints_stock_vs_plugin(capsys):

@@ -26,6 +26,9 @@ from helpers import (
     stock_enable,
 )
 
+#: The every-release subset (README, "Supported torch releases").
+pytestmark = pytest.mark.every_release
+
 PKG_DIR = os.path.dirname(ca_dynsaved.__file__)
 
 

@@ -9,6 +9,9 @@ import ca_dynsaved
 from ca_dynsaved import reuse
 from helpers import Counts, counts, leaf_grad_step, run_loop, stock_enable
 
+#: The every-release subset (README, "Supported torch releases").
+pytestmark = pytest.mark.every_release
+
 # (flip, mode, dims, (wa, wb)): every field changes the backward; D's list is longer.
 COMBOS = [
     (False, "square", [1, 2], (1.0, 2.0)),

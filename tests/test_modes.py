@@ -43,6 +43,7 @@ def _autocast_step(apply, autocast: bool):
     return step
 
 
+@pytest.mark.every_release  # a _compat path (README, "Supported torch releases")
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("kind", ["cpp_opaque", "cpp_traceable", "python", "python_opaque"])
 def test_backward_under_autocast_matches_eager(ext, kind, backend):
@@ -67,6 +68,7 @@ def test_backward_under_autocast_matches_eager(ext, kind, backend):
     assert not torch.allclose(step(0)[0], plain[0])
 
 
+@pytest.mark.every_release  # a _compat path (README, "Supported torch releases")
 def test_autocast_state_is_read_per_call(ext):
     """One CA graph, backward with and without autocast in turn: each call gets the
     state of its caller (Dynamo compiles the graph once per autocast state)."""

@@ -13,8 +13,11 @@ import torch
 
 import ca_dynsaved
 from ca_dynsaved import probe
-from helpers import Counts, assert_grads_equal, counts, leaf_grad_step, run_loop
+from helpers import Counts, assert_grads_equal, counts, leaf_grad_step, run_loop, this_release
 from test_python_ctx import ScaleFn, pool
+
+#: The every-release subset (README, "Supported torch releases").
+pytestmark = pytest.mark.every_release
 
 
 class _WithK(torch.autograd.Function):
@@ -109,6 +112,26 @@ class IntSchemaFn(_WithK):
         return torch.ops.ca_dynsaved_auto_tests.times(g, ctx.k) * ctx.s, None, None
 
 
+class ProductFn(_WithK):
+    """Python arithmetic between the ctx numbers before the tensor math: torch 2.13+
+    tensorify ``ctx.k * ctx.s`` (an ``operator.mul`` node); 2.11 / 2.12 take only
+    ATen ops there and specialise ``ctx.s``, so the probe runs it opaque."""
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * (ctx.k * ctx.s), None, None
+
+
+#: (handling, the reason's words) of ProductFn on this torch.
+_PRODUCT = this_release({
+    "2.11": ("opaque", "through Python arithmetic"),
+    "2.12": ("opaque", "through Python arithmetic"),
+    "2.13": ("traced-dynamic", "only reach tensor math"),
+    "2.14": ("traced-dynamic", "only reach tensor math"),
+    "2.15": ("traced-dynamic", "only reach tensor math"),
+})
+
+
 def _k(i: int) -> int:
     return (-1) ** i * (i + 1)  # 1, -2, 3, -4, ...: both parities, both signs
 
@@ -117,6 +140,7 @@ def _k(i: int) -> int:
 CASES = {
     "tensor_math": (lambda x, i: ScaleFn.apply(x, _k(i), 0.5 - i / 4), "traced-dynamic", "only reach tensor math"),
     "parity": (lambda x, i: ParityFn.apply(x, _k(i), i / 3), "traced-dynamic", "only reach tensor math"),
+    "float_through_python_arithmetic": (lambda x, i: ProductFn.apply(x, _k(i), 0.5 - i / 4), *_PRODUCT),
     "unread_bool": (lambda x, i: UnreadFlagFn.apply(x, _k(i), i % 2 == 0), "traced-dynamic", "only reach tensor math"),
     "float_schema_op": (lambda x, i: pool(x, 0.25 + i / 2, i + 1), "opaque", "ctx.scale needs its value (guard Eq(ctx.scale, 0.37))"),
     "int_schema_op": (lambda x, i: IntSchemaFn.apply(x, _k(i), 0.5), "opaque", "ctx.k needs its value (guard Eq(ctx.k, 7))"),
@@ -144,7 +168,9 @@ def test_classification_and_one_compile(case, backend):
 def test_stock_recompiles_where_auto_does_not():
     """The baseline: stock CA recompiles the traced classes once (automatic dynamic)
     and the branch on every value (until the recompile limit)."""
-    for case, want in (("tensor_math", 2), ("parity", 2), ("branch", 3)):
+    # ProductFn: on 2.11 / 2.12 stock specialises ctx.s, to the recompile limit (8).
+    product = this_release({"2.11": 8, "2.12": 8, "2.13": 2, "2.14": 2, "2.15": 2})
+    for case, want in (("tensor_math", 2), ("parity", 2), ("branch", 3), ("float_through_python_arithmetic", product)):
         ca_dynsaved.reset()
         torch._dynamo.utils.counters.clear()
         run_loop(leaf_grad_step(CASES[case][0]), lambda: ca_dynsaved.enable(backend="aot_eager", python_policy="stock"))

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import ca_dynsaved
@@ -128,6 +129,7 @@ def _run_snippet(torch_logs: str | None) -> str:
     return out.stderr
 
 
+@pytest.mark.every_release  # a _compat path (README, "Supported torch releases")
 def test_log_artifact():
     info = _run_snippet("ca_dynsaved")
     assert re.search(

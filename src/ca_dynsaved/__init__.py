@@ -19,8 +19,16 @@ from . import _compat  # noqa: F401  (version check first)
 
 import torch  # noqa: E402
 
-from . import cpptrace, opaque, probe, reuse, sentinel  # noqa: E402
-from ._install import CONFIG_FLAG, CONFIG_PYTHON_POLICY, CONFIG_TRACE_CPP, CONFIG_VERIFY, install, uninstall  # noqa: E402
+from . import cpptrace, opaque, probe, reuse, selfcheck, sentinel  # noqa: E402
+from ._install import (  # noqa: E402
+    CONFIG_FLAG,
+    CONFIG_PYTHON_POLICY,
+    CONFIG_TRACE_CPP,
+    CONFIG_VERIFY,
+    install,
+    off_reason,
+    uninstall,
+)
 from .enable import enable  # noqa: E402
 from .report import report, reset_report  # noqa: E402
 
@@ -36,7 +44,17 @@ __all__ = [
     "CONFIG_VERIFY",
     "install",
     "uninstall",
+    "off_reason",
+    "self_check",
 ]
+
+
+def self_check() -> selfcheck.SelfCheckResult:
+    """Run the self-check (``ca_dynsaved.selfcheck``) on this torch. It resets
+    compile state before and after (``reset()``): call it before training."""
+    if off_reason():
+        raise RuntimeError(f"ca_dynsaved is off in this process: {off_reason()}")
+    return selfcheck.run()
 
 
 def reset() -> None:
@@ -53,3 +71,5 @@ def reset() -> None:
 
 
 install()
+if _compat.UNTESTED_TORCH:  # allowed by CA_DYNSAVED_ALLOW_UNTESTED_TORCH=1
+    selfcheck.decide_on_untested_torch()

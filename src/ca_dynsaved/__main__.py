@@ -1,5 +1,6 @@
 """python -m ca_dynsaved demo [--backend B] [--steps N]
-python -m ca_dynsaved run [--backend B] [--compare] script.py [args]"""
+python -m ca_dynsaved run [--backend B] [--compare] script.py [args]
+python -m ca_dynsaved selfcheck    (the check an untested torch must pass)"""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ def main(argv: list[str]) -> int:
         from .run import main as run_main
 
         return run_main(rest)
+    if command == "selfcheck":
+        from .selfcheck import main as selfcheck_main
+
+        return selfcheck_main(rest)
     print(f"unknown command {command!r}; see `python -m ca_dynsaved --help`", file=sys.stderr)
     return 2
 

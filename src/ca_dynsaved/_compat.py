@@ -9,35 +9,67 @@ from __future__ import annotations
 
 import contextlib
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-#: Releases (major.minor) the test suite has passed on. What the plugin relies on
-#: did not change between them (checked below and by the suite on each release).
-TESTED_TORCH_RELEASES: tuple[str, ...] = ("2.13", "2.14")
+#: Releases (major.minor) the test suite passes on, CI runs it on each (README,
+#: "Supported torch releases"). Where they differ in what the plugin touches, the
+#: difference is detected below, next to the use, with the releases named.
+TESTED_TORCH_RELEASES: tuple[str, ...] = ("2.11", "2.12", "2.13", "2.14", "2.15")
+
+#: Set to 1 to try the plugin on a release not in TESTED_TORCH_RELEASES (a nightly):
+#: the import then runs ``ca_dynsaved.selfcheck`` first, and the plugin switches on
+#: only if it passes.
+ALLOW_UNTESTED_ENV = "CA_DYNSAVED_ALLOW_UNTESTED_TORCH"
 
 
 class UnsupportedTorchError(ImportError):
     """torch is a release whose compiled-autograd internals were never verified."""
 
 
-def _release(version: str) -> str:
-    return ".".join(version.split("+")[0].split(".")[:2])
+class UntestedTorchWarning(UserWarning):
+    """An untested release the user allowed: what the self-check found."""
+
+
+def _release(version: str) -> str | None:
+    """``"2.15"`` for a final release ``2.15.x`` (a local tag such as ``+cu130``
+    allowed); None for a pre-release (``2.16.0.dev20261130``, ``2.15.0a0+git...``,
+    ``2.15.0rc1``), which is not the release it precedes."""
+    found = re.fullmatch(r"(\d+)\.(\d+)\.\d+(\+[\w.]+)?", version)
+    return f"{found.group(1)}.{found.group(2)}" if found else None
+
+
+def is_tested_release(version: str | None = None) -> bool:
+    version = torch.__version__ if version is None else version
+    return _release(version) in TESTED_TORCH_RELEASES
+
+
+def untested_allowed() -> bool:
+    import os
+
+    return os.environ.get(ALLOW_UNTESTED_ENV, "") == "1"
 
 
 def check_torch_version(version: str | None = None) -> None:
-    """Raise UnsupportedTorchError unless ``version`` is a tested release."""
+    """Raise UnsupportedTorchError unless ``version`` is a tested release, or the
+    user asked to try an untested one (then the import runs the self-check)."""
     version = torch.__version__ if version is None else version
-    if _release(version) not in TESTED_TORCH_RELEASES:
+    if not is_tested_release(version) and not untested_allowed():
         raise UnsupportedTorchError(
             f"ca_dynsaved supports torch {', '.join(TESTED_TORCH_RELEASES)}, "
             f"found torch {version}: its compiled-autograd internals are private "
-            "and change between releases, so the plugin refuses to patch them."
+            "and change between releases, so the plugin refuses to patch them. To try "
+            f"it anyway, set {ALLOW_UNTESTED_ENV}=1: the import then runs a self-check "
+            "(a real capture of a C++ and a Python function, compared with eager and "
+            "with the expected compile counts) and leaves the plugin off if it fails."
         )
 
 
 check_torch_version()
+#: The running torch is not a tested release (the user allowed it: see above).
+UNTESTED_TORCH = not is_tested_release()
 
 # Imported only after the version check: on an untested release these may not exist.
 import torch._dynamo.compiled_autograd as ca  # noqa: E402
@@ -111,7 +143,7 @@ def register_config_entry(name: str, default: Any, value_type: type) -> None:
 
     config = torch._dynamo.config
     if name not in config._config:
-        config._config[name] = _ConfigEntry(_Config(default=default, value_type=value_type), name)
+        config._config[name] = _new_config_entry(_ConfigEntry, _Config(default=default, value_type=value_type), name)
         config._compile_ignored_keys.add(name)
         _mark_config_dirty(config)
 
@@ -123,10 +155,33 @@ def unregister_config_entry(name: str) -> None:
         _mark_config_dirty(config)
 
 
+def _new_config_entry(entry: Any, config: Any, name: str) -> Any:
+    # torch 2.11: _ConfigEntry(config); 2.12+: _ConfigEntry(config, name).
+    if _CONFIG_ENTRY_TAKES_NAME:
+        return entry(config, name)
+    return entry(config)
+
+
+def _config_entry_takes_name() -> bool:
+    import inspect
+
+    from torch.utils._config_module import _ConfigEntry
+
+    return "name" in inspect.signature(_ConfigEntry.__init__).parameters
+
+
+_CONFIG_ENTRY_TAKES_NAME = _config_entry_takes_name()
+
+
 def _mark_config_dirty(config: Any) -> None:
-    # ConfigModule caches get_config_copy()/save_config()/get_hash() per context.
-    config._hash_dirty_var.set(True)
-    config._get_dict_dirty_keys_var.set(None)
+    # ConfigModule caches get_config_copy()/save_config()/get_hash(). torch 2.13+:
+    # per context, in two ContextVars; 2.11 / 2.12: in two module attributes.
+    if hasattr(config, "_hash_dirty_var"):
+        config._hash_dirty_var.set(True)
+        config._get_dict_dirty_keys_var.set(None)
+    else:
+        config._is_dirty = True
+        config._hash_digest = None
 
 
 def is_dynamo_config_compiler(compiler_fn: Any) -> bool:
@@ -254,6 +309,7 @@ def mark_dynamic_scalars(code: Any, sources: Sequence[str]) -> None:
         return
     from torch._dynamo import pgo
 
+    # CodeId.make(code) on 2.11; 2.12+ add an optional closure (none here).
     state = pgo.get_code_state()[pgo.CodeId.make(code)]
     for name in sources:
         state.automatic_dynamic[name] = pgo.FrameStateSizeEntry.make_scalar(pgo.auto_dynamic)
@@ -331,11 +387,22 @@ def holds_for_sizes_above_one(shape_env: Any, names: dict[Any, str]) -> bool:
     return True
 
 
+def _optimization_hint() -> Callable[[Any], int]:
+    from torch.fx.experimental import symbolic_shapes
+
+    # torch 2.12+: optimization_hint; 2.11: size_hint (the same read of a SymInt's
+    # hint, without a guard, for a backed symbol).
+    found = getattr(symbolic_shapes, "optimization_hint", None)
+    return found if found is not None else symbolic_shapes.size_hint
+
+
+#: The concrete value of a SymInt (an int as is), read without guarding.
+optimization_hint = _optimization_hint()
+
+
 def size_hints(t: torch.Tensor) -> tuple[list[int], list[int]]:
     """Concrete sizes and strides of a (possibly symbolic) capture tensor, read
     without guarding."""
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
-
     return [optimization_hint(s) for s in t.shape], [optimization_hint(s) for s in t.stride()]
 
 
@@ -358,8 +425,6 @@ def tensor_from_variable_info(info: Sequence[Any], concrete: bool = False) -> to
     output: ``(layout, device, dtype_code, sizes, requires_grad, is_empty)``, the
     metadata of the gradient its backward receives. ``concrete``: the sizes'
     hints instead of the capture's symbols (for a probe in another ShapeEnv)."""
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
-
     layout, device, dtype, sizes = info[0], info[1], info[2], info[3]
     if layout != 0 or not 0 <= dtype < len(_SCALAR_TYPES):
         raise LayoutError(f"unsupported output layout {layout} / dtype code {dtype}")
@@ -370,8 +435,6 @@ def tensor_from_variable_info(info: Sequence[Any], concrete: bool = False) -> to
 def concrete(value: Any) -> Any:
     """``value`` with every SymInt / SymFloat in it replaced by its hint, read without
     guarding: capture data a private fake-tensor run may use."""
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
-
     def hint(v: Any) -> Any:
         if isinstance(v, torch.SymInt):
             return optimization_hint(v)
@@ -414,32 +477,99 @@ def tensorifiable_ops() -> frozenset[Any]:
     return frozenset(SUPPORTED_OPS)
 
 
+def tensorifies_python_arithmetic() -> bool:
+    """Whether the tensorify pass takes a float through Python arithmetic on it
+    (``ctx.k * ctx.scale``, a Dynamo graph node ``operator.mul``): torch 2.13+ lists
+    the Python operators among its ops; 2.11 and 2.12 only ATen ops, so there a
+    float that went through Python arithmetic is specialised (measured: one compile
+    per value of ``ctx.scale`` in ``g * (ctx.k * ctx.scale)``)."""
+    import operator
+
+    return operator.mul in tensorifiable_ops()
+
+
 # --- C++ argument layouts ---------------------------------------------------
 # CppNode<T>::apply_with_saved packs its call as
 #   (keys, *values, saved_variables, materialize_grads, has_freed_buffers,
 #    needs_input_grad, output_info, is_variable_input, name)
-# with one value per key, in the same order (torch/csrc/autograd/custom_function.h).
+# with one value per key, in the same order (torch/csrc/autograd/custom_function.h),
+# and the functional is called as fn(grads, *those args).
 CPP_NODE_TRAILING_ARGS = 7
+_TAIL_OUTPUT_INFO = 3  # output_info's place after saved_variables
+_INFO_SIZES = 3  # sizes' place in an output_info entry (tensor_from_variable_info)
 
 
 class LayoutError(NotImplementedError):
     """A C++ call whose arguments are not laid out as this module expects."""
 
 
-def split_cpp_node_args(args: Sequence[Any]) -> tuple[list[str], list[Any], list[Any]]:
-    """Split a CppNode call into (saved_data keys, their values, the other args)."""
-    keys = list(args[0])
-    values = list(args[1 : 1 + len(keys)])
-    rest = list(args[1 + len(keys) :])
-    if len(rest) != CPP_NODE_TRAILING_ARGS or not all(isinstance(k, str) for k in keys):
-        raise LayoutError(
-            f"unexpected CppNode argument layout ({len(keys)} keys, {len(rest)} trailing)"
+@dataclass(frozen=True)
+class CppCall:
+    """One C++ custom function's CA call arguments, parsed once where the capture
+    receives them (``apply_functional``); every consumer reads these fields, and only
+    this module knows how they are laid out.
+
+    ``values``: the ``saved_data`` value of each key (a lifted SymInt/SymFloat, or a
+    value CA hashed); ``saved``: the saved tensors; ``output_info``: one entry per
+    forward output, the metadata of the gradient its backward receives; ``tail``:
+    every argument after the saved tensors, output_info and the name among them."""
+
+    name: str
+    keys: tuple[str, ...]
+    values: tuple[Any, ...]
+    saved: tuple[Any, ...]
+    output_info: tuple[Any, ...]
+    tail: tuple[Any, ...]
+
+    @staticmethod
+    def parse(args: Sequence[Any]) -> "CppCall":
+        keys = tuple(args[0])
+        rest = args[1 + len(keys) :]
+        if len(rest) != CPP_NODE_TRAILING_ARGS or not all(isinstance(k, str) for k in keys):
+            raise LayoutError(
+                f"unexpected CppNode argument layout ({len(keys)} keys, {len(rest)} trailing)"
+            )
+        tail = tuple(rest[1:])
+        return CppCall(
+            str(args[-1]), keys, tuple(args[1 : 1 + len(keys)]), tuple(rest[0]), tuple(tail[_TAIL_OUTPUT_INFO]), tail
         )
-    return keys, values, rest
+
+    def args(
+        self, values: Sequence[Any] | None = None, saved: Sequence[Any] | None = None, tail: Sequence[Any] | None = None
+    ) -> tuple[Any, ...]:
+        """The call's arguments in CA's layout, with any of the parts replaced."""
+        return (
+            list(self.keys),
+            *(self.values if values is None else values),
+            list(self.saved if saved is None else saved),
+            *(self.tail if tail is None else tail),
+        )
+
+    def call(self, fn: Callable[..., Any], grads: Sequence[Any], **parts: Any) -> Any:
+        """The functional on ``grads`` with this call's arguments (``parts`` as for
+        ``args``): what CA's graph runs for the node."""
+        return fn(list(grads), *self.args(**parts))
+
+    def detached(self) -> "CppCall":
+        """The call without its saved values and tensors, every symbol in it replaced
+        by its hint: what a call outside the capture fills in (``values=``,
+        ``saved=``)."""
+        return CppCall(self.name, self.keys, (), (), tuple(concrete(self.output_info)), tuple(concrete(self.tail)))
+
+    def with_output_sizes(self, sizes: Sequence[Sequence[int] | None]) -> "CppCall":
+        """The call with each output_info entry's sizes replaced (None keeps an
+        entry's): an undefined incoming grad is made of those sizes."""
+        tail = list(self.tail)
+        tail[_TAIL_OUTPUT_INFO] = [
+            info if s is None else (*info[:_INFO_SIZES], list(s), *info[_INFO_SIZES + 1 :])
+            for info, s in zip(self.output_info, sizes)
+        ]
+        return CppCall(self.name, self.keys, self.values, self.saved, tuple(tail[_TAIL_OUTPUT_INFO]), tuple(tail))
 
 
 def cpp_node_name(args: Sequence[Any]) -> str:
-    """The node's name (``torch::autograd::CppNode<T>``), the call's last argument."""
+    """The node's name (``torch::autograd::CppNode<T>``), the call's last argument:
+    readable even when the rest of the layout is not."""
     return str(args[-1])
 
 
@@ -452,11 +582,6 @@ def metadata_sizes(meta: Any) -> list[Any]:
 
 def metadata_device(meta: Any) -> torch.device:
     return meta[0][2]
-
-
-def is_custom_function_op_name(name: str) -> bool:
-    """CA names C++ custom-function ops ``CppNode<mangled>N`` (OpNamespace.add)."""
-    return name.startswith("CppNode")
 
 
 __all__ = [

@@ -68,7 +68,10 @@ def plugin_mode(
     verify: bool | None = None,
 ) -> Mode:
     """The plugin with these options; an option given as None reads its config entry
-    (gone after uninstall(): then its default)."""
+    (gone after uninstall(): then its default). Stock CA while the plugin is off
+    (an untested torch that failed the self-check)."""
+    if _off:
+        return STOCK
     config = torch._dynamo.config
     if python_policy is None:
         python_policy = getattr(config, CONFIG_PYTHON_POLICY, pyctx.AUTO)
@@ -87,6 +90,9 @@ def _names(value: Any, what: str) -> tuple[str, ...]:
         raise TypeError(f"ca_dynsaved: {what} takes non-empty function-name substrings, got {value!r}")
     return names
 
+
+#: Why the plugin is off (one line), or empty: set by switch_off().
+_off: list[str] = []
 
 _lock = threading.RLock()  # held by the thread with open CA contexts (ca_context)
 _modes: list[Mode] = []  # one per open CA context; CA's compiler is process-global
@@ -188,12 +194,30 @@ def _unregister_config() -> None:
 
 
 def install() -> None:
-    """Register the config entries and the ``_enable`` hook (done on import)."""
+    """Register the config entries and the ``_enable`` hook (done on import); a
+    no-op once the plugin is off."""
     with _lock:
+        if _off:
+            return
         _compat.register_torch_log("ca_dynsaved")
         _register_config()
         if _compat.ca._enable is not _enable_hook:
             _compat.swap_enable(_enable_hook)
+
+
+def switch_off(reason: str) -> None:
+    """Leave torch unpatched for good in this process: ``enable()`` and the config
+    flag then give stock compiled autograd (the config entries stay, inert, so a
+    script that sets them still runs)."""
+    with _lock:
+        uninstall()
+        _register_config()
+        _off[:] = [reason]
+
+
+def off_reason() -> str:
+    """Why the plugin is off in this process, or '' when it is on."""
+    return _off[0] if _off else ""
 
 
 def uninstall() -> None:

@@ -45,8 +45,8 @@ class _PendingCall:
     dummies: list[torch.Tensor | None]  # what C++ got back as the call's outputs
     emit_stock: Callable[[], Sequence[Any]]  # trace it as stock CA does instead
     fn: Callable[..., Any] | None = None  # C++: the functional; Python: None
-    # C++: the packed call arguments; Python: (positions of the tensor inputs,)
-    args: tuple[Any, ...] = ()
+    call: _compat.CppCall | None = None  # C++: its call arguments
+    inputs: tuple[int, ...] = ()  # Python: positions of the tensor inputs
     hook: int = -1  # Python: index of the ctx in CA's hooks
     saved: tuple[Any, ...] = ()  # Python: saved tensors
     ctx: Any = None  # Python: the real ctx, for the report
@@ -145,29 +145,31 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         if fn_name not in self._custom_fns:
             return stock()
         name = _compat.cpp_node_name(args)
+        try:
+            call = _compat.CppCall.parse(args)  # the one parse of CA's layout
+        except _compat.LayoutError as e:
+            self._report_cpp(name, report.STOCK, str(e), None)
+            return stock()
         if self._excluded(name):
-            self._report_cpp(name, report.STOCK, _EXCLUDED, args)
+            self._report_cpp(name, report.STOCK, _EXCLUDED, call)
             return stock()
         fn = self._custom_fns[fn_name]
         if fn_name not in self._traceable:
             verdict = cpptrace.Verdict(False, "not is_traceable: its backward is not traced")
         else:
-            try:
-                verdict = cpptrace.verdict(name, fn, args, self._lifted)
-            except _compat.LayoutError as e:
-                verdict = cpptrace.Verdict(False, str(e))
+            verdict = cpptrace.verdict(fn, call, self._lifted)
         if verdict.traced:
-            sizes = cpptrace.size_dependence(name, fn, args)
+            sizes = cpptrace.size_dependence(fn, call)
             if not sizes:
-                return self._trace_cpp(name, fn, grads, args, verdict.reason)
+                return self._trace_cpp(fn, grads, call, verdict.reason)
             verdict = cpptrace.Verdict(False, sizes)
         elif fn_name in self._traceable and any(p in name for p in self.trace_cpp):
-            optin = self._optin_plan(name, fn, args)
+            optin = self._optin_plan(fn, call)
             if optin is not None:
                 plan, inputs = optin
-                sizes = cpptrace.size_dependence(name, fn, args) if plan.traced else ""
+                sizes = cpptrace.size_dependence(fn, call) if plan.traced else ""
                 if plan.traced and not sizes:
-                    return self._trace_optin(name, fn, grads, args, plan, inputs)
+                    return self._trace_optin(fn, grads, call, plan, inputs)
                 if sizes:
                     sentinel.refused(name, sizes)
                 verdict = cpptrace.Verdict(False, f"trace_cpp refused: {sizes or plan.reason}")
@@ -179,18 +181,17 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             dummies=dummies,
             emit_stock=stock,
             fn=fn,
-            args=tuple(args),
+            call=call,
             reason=verdict.reason,
         )
         return dummies
 
-    def _trace_cpp(self, name: str, fn: Callable[..., Any], grads: Any, args: Any, reason: str) -> list[Any]:
+    def _trace_cpp(self, fn: Callable[..., Any], grads: Any, call: _compat.CppCall, reason: str) -> list[Any]:
         """Record the C++ backward's ATen ops (see cpptrace); its lifted ints become
         dynamic graph inputs, its floats are read from the packed float64 tensor."""
-        self._report_cpp(name, report.TRACED, reason, args)
+        self._report_cpp(call.name, report.TRACED, reason, call)
         _compat.counters["ca_dynsaved"]["traced_cpp_nodes"] += 1
-        _, values, _ = _compat.split_cpp_node_args(args)
-        for value in values:
+        for value in call.values:
             index, _ = self._lifted_at[value.node]
             # Dynamic from the first compile: an int, and a double that reaches an op
             # the backend tensorifies (one the rewrite feeds from the packed tensor is
@@ -199,43 +200,41 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             self._traced_floats |= self._lifted[value.node][0] is opaque.FLOAT
         if self._traced_floats:
             self._packed_scalar_proxies()  # the packed tensors' nodes, before the ops
-        return cpptrace.trace(self, fn, grads, args)
+        return cpptrace.trace(self, fn, grads, call)
 
-    def _optin_plan(self, name: str, fn: Callable[..., Any], args: Any) -> tuple[sentinel.Plan, sentinel.Inputs] | None:
+    def _optin_plan(self, fn: Callable[..., Any], call: _compat.CppCall) -> tuple[sentinel.Plan, sentinel.Inputs] | None:
         """The sentinel plan of an opted-in node, or None when some saved value is
         not a lifted number (a hashed value keeps it opaque: see cpptrace)."""
         try:
-            keys, values, rest = _compat.split_cpp_node_args(args)
-            kinds = {key: self._lifted[value.node][0] for key, value in zip(keys, values)}
-            inputs = sentinel.Inputs.of(fn, keys, rest)
-        except (_compat.LayoutError, AttributeError, KeyError):
+            kinds = {key: self._lifted[value.node][0] for key, value in zip(call.keys, call.values)}
+        except (AttributeError, KeyError):
             return None
         if not kinds:
             return None
-        return sentinel.plan(name, inputs, kinds), inputs
+        inputs = sentinel.Inputs.of(fn, call)
+        return sentinel.plan(call.name, inputs, kinds), inputs
 
     def _trace_optin(
-        self, name: str, fn: Callable[..., Any], grads: Any, args: Any, plan: sentinel.Plan, inputs: sentinel.Inputs
+        self, fn: Callable[..., Any], grads: Any, call: _compat.CppCall, plan: sentinel.Plan, inputs: sentinel.Inputs
     ) -> list[Any]:
         """Trace an opted-in plain reader with the sentinels in place of its saved
         numbers; create_graph_module swaps them for the lifted values."""
         checked = "; each new value verified" if self.verify else ""
-        self._report_cpp(name, report.TRACED, f"opt-in (trace_cpp): {plan.reason}{checked}", args)
+        self._report_cpp(call.name, report.TRACED, f"opt-in (trace_cpp): {plan.reason}{checked}", call)
         counters = _compat.counters["ca_dynsaved"]
         counters["traced_cpp_nodes"] += 1
         counters["optin_cpp_nodes"] += 1
-        keys, values, rest = _compat.split_cpp_node_args(args)
-        for value in values:
+        for value in call.values:
             self._dynamic_sources.append(f"L['scalars'][{self._lifted_at[value.node][0]}]")
         self._packed_scalar_proxies()  # the packed tensors' nodes, before the ops
         graph = self.fx_tracer.graph
         before = len(graph.nodes)
         sentinels = sentinel.values(plan.kinds, 0)
-        outs = cpptrace.trace(self, fn, grads, (keys, *(sentinels[k] for k in keys), *rest))
+        outs = cpptrace.trace(self, fn, grads, call, values=[sentinels[k] for k in call.keys])
         region = list(graph.nodes)[before:]
-        self._optin.append((region, plan.kinds, dict(zip(keys, values))))
+        self._optin.append((region, plan.kinds, dict(zip(call.keys, call.values))))
         if self.verify:
-            self._verifying = (name, fn, grads, args, plan, inputs, region)
+            self._verifying = (fn, grads, call, plan, inputs, region)
         return outs
 
     @_disable
@@ -277,7 +276,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
             grads=list(inputs),
             dummies=dummies,
             emit_stock=stock,
-            args=(tuple(i for i, m in enumerate(output_metadatas) if m is not None),),
+            inputs=tuple(i for i, m in enumerate(output_metadatas) if m is not None),
             hook=backward_idx,
             saved=tuple(saved_tensors),
             ctx=ctx,
@@ -301,8 +300,8 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         try:
             proxy_out = self._emit_opaque(pending, args[0])
         except _Unsupported as e:
-            if pending.fn is not None:
-                self._report_cpp(pending.name, report.STOCK, str(e), pending.args)
+            if pending.call is not None:
+                self._report_cpp(pending.name, report.STOCK, str(e), pending.call)
             else:
                 report.python_node(self._capture, pending.name, pyctx.STOCK, str(e), pending.ctx, pending.hook)
                 _compat.counters["ca_dynsaved"]["stock_nodes"] += 1
@@ -314,23 +313,19 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
 
     def _emit_opaque(self, pending: _PendingCall, meta: Any) -> Any:
         """Put one opaque op for ``pending`` in the graph; return its output proxy."""
-        call_args = pending.args
+        call_args: tuple[Any, ...] = (pending.inputs,)
         captured: list[Any] = []
-        if pending.fn is not None:
-            try:
-                keys, values, rest = _compat.split_cpp_node_args(pending.args)
-            except _compat.LayoutError as e:
-                raise _Unsupported(str(e)) from e
+        if pending.call is not None:
             # A saved value CA hashed (bool, str, None, a list or dict of them) is a
             # value of this capture, not structure: it reaches the op at run time.
             slots = []
-            for value in values:
+            for value in pending.call.values:
                 if _is_hashed_constant(value):
                     slots.append(_Captured(len(captured)))
                     captured.append(value)
                 else:
                     slots.append(value)
-            call_args = (keys, *slots, *rest)
+            call_args = pending.call.args(values=slots)
         leaves, treedef = _compat.pytree.tree_flatten((call_args, meta))
         specs: list[tuple[str, Any]] = []
         tensors: list[Any] = []
@@ -360,8 +355,8 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         self._nodes.append(opaque.NodeCapture(pending.fn, tuple(captured)))
         counters = _compat.counters["ca_dynsaved"]
         grads = self.to_proxy(pending.grads)
-        if pending.fn is not None:
-            self._report_cpp(pending.name, report.OPAQUE, pending.reason, pending.args)
+        if pending.call is not None:
+            self._report_cpp(pending.name, report.OPAQUE, pending.reason, pending.call)
             op_args = (grads, tensors, *self._packed_scalar_proxies(), symints, key, slot)
             op = opaque.CPP_OP
         else:
@@ -374,27 +369,24 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
     def _add_check(self, outputs: Sequence[Any]) -> None:
         """verify: what running the opted-in node just traced directly takes, for the
         steps whose new values its check refuses (runtime.Check)."""
-        name, fn, grads, args, plan, inputs, region = self._verifying  # type: ignore[misc]
+        fn, grads, call, plan, inputs, region = self._verifying  # type: ignore[misc]
         self._verifying = None
-        keys, values, rest = _compat.split_cpp_node_args(args)
 
         def node(t: Any) -> torch.fx.Node | None:
             return None if t is None else self.to_proxy(t).node
 
         fallback = runtime.Fallback(
-            name,
             fn,
-            tuple(keys),
-            _compat.concrete(tuple(rest[1:])),
-            tuple(self._lifted[v.node] for v in values),
+            call.detached(),
+            tuple(self._lifted[v.node] for v in call.values),
             [node(g) for g in grads],
-            [node(t) for t in rest[0]],
+            [node(t) for t in call.saved],
             [p.node for p in self._packed_scalar_proxies()],
             region,
             [node(o) for o in outputs],
         )
-        indices = tuple(self._lifted_at[v.node][0] for v in values)
-        self._checks.append(runtime.Check(name, plan, inputs, tuple(keys), indices, fallback))
+        indices = tuple(self._lifted_at[v.node][0] for v in call.values)
+        self._checks.append(runtime.Check(call.name, plan, inputs, call.keys, indices, fallback))
 
     def _packed_scalar_proxies(self) -> tuple[Any, Any]:
         if self._packed_proxies is None:
@@ -405,15 +397,11 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
     def _excluded(self, name: str) -> bool:
         return any(pattern in name for pattern in self.exclude)
 
-    def _report_cpp(self, name: str, handling: str, reason: str, args: Sequence[Any]) -> None:
+    def _report_cpp(self, name: str, handling: str, reason: str, call: _compat.CppCall | None) -> None:
         """Describe a C++ node to the report: ``handling`` (opaque, traced or stock)
-        and why."""
-        try:
-            keys, values, _ = _compat.split_cpp_node_args(args)
-        except _compat.LayoutError:
-            keys, values = [], []
+        and why; ``call`` None when its arguments could not be parsed."""
         saved = {}
-        for key, value in zip(keys, values):
+        for key, value in zip(call.keys, call.values) if call is not None else ():
             if _is_symbolic(value) and value.node in self._lifted_at:
                 index, concrete = self._lifted_at[value.node]
                 saved[key] = (self._lifted[value.node][0], concrete, index)

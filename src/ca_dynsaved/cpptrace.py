@@ -65,36 +65,34 @@ def clear() -> None:
     _SIZES.clear()
 
 
-def verdict(name: str, fn: Any, args: Sequence[Any], lifted: dict[Any, tuple[str, int]]) -> Verdict:
-    """May this C++ node be traced? ``args``: its CA call args; ``lifted``: the
+def verdict(fn: Any, call: _compat.CppCall, lifted: dict[Any, tuple[str, int]]) -> Verdict:
+    """May this C++ node be traced? ``call``: its CA call; ``lifted``: the
     capture's lifted symbols (symnode -> (kind, index))."""
-    keys, values, rest = _compat.split_cpp_node_args(args)
     kinds = tuple(
         lifted[v.node][0] if isinstance(v, (torch.SymInt, torch.SymFloat)) and v.node in lifted else type(v).__name__
-        for v in values
+        for v in call.values
     )
-    key = (name, tuple(keys), kinds)
+    key = (call.name, call.keys, kinds)
     found = _CACHE.get(key)
     if found is None:
         _compat.counters["ca_dynsaved"]["cpp_probes"] += 1
-        found = _CACHE[key] = _decide(fn, keys, values, rest, lifted)
+        found = _CACHE[key] = _decide(fn, call, lifted)
     return found
 
 
-def _decide(fn: Any, keys: list[str], values: list[Any], rest: list[Any], lifted: dict[Any, Any]) -> Verdict:
+def _decide(fn: Any, call: _compat.CppCall, lifted: dict[Any, Any]) -> Verdict:
     numbers = {}
-    for key, value in zip(keys, values):
+    for key, value in zip(call.keys, call.values):
         if isinstance(value, (torch.SymInt, torch.SymFloat)) and value.node in lifted:
             numbers[key] = INT_HINT if isinstance(value, torch.SymInt) else FLOAT_HINT
         else:
             return Verdict(False, f"saved '{key}' is hashed by CA (a {type(value).__name__}): opaque captures share code")
     if not numbers:
         return Verdict(False, "no saved ints or doubles")
-    saved, output_info = rest[0], rest[4]
 
     def backward(symbols: dict[str, Any]) -> Any:
-        grads = [_compat.tensor_from_variable_info(info, concrete=True) for info in output_info]
-        return fn(grads, keys, *(symbols[k] for k in keys), [fake_like(t) for t in saved], *rest[1:])
+        grads = [_compat.tensor_from_variable_info(info, concrete=True) for info in call.output_info]
+        return call.call(fn, grads, values=[symbols[k] for k in call.keys], saved=[fake_like(t) for t in call.saved])
 
     def rewritable(func: Any, args: tuple[Any, ...], leaf: Any) -> bool:
         """The float itself as the Scalar of an ``X.Scalar`` op on a floating tensor."""
@@ -115,23 +113,25 @@ def _decide(fn: Any, keys: list[str], values: list[Any], rest: list[Any], lifted
     return Verdict(True, "reads its saved numbers symbolically (toSymInt/toSymFloat): " + ", ".join(sorted(numbers)))
 
 
-def trace(instance: Any, fn: Any, grads: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-    """Call the functional under the capture's modes so its ATen ops are recorded.
+def trace(
+    instance: Any, fn: Any, grads: Sequence[Any], call: _compat.CppCall, values: Sequence[Any] | None = None
+) -> list[Any]:
+    """Call the functional under the capture's modes so its ATen ops are recorded
+    (``values``: in place of the saved numbers, as ``sentinel`` traces).
 
     Its inputs are fake tensors of the capture's concrete sizes bound to the
     proxies of the incoming grads (CA passes placeholders) and saved tensors: the
     backward's ops do not depend on sizes (``size_dependence`` said so), so the ops
     and arguments are those of symbolic sizes, at a third of the cost. Its outputs
     become CA's dummies, as stock CA returns for a call it records whole."""
-    keys, values, rest = _compat.split_cpp_node_args(args)
     with _compat.disable_proxy_modes_tracing():
-        fake_grads = [_compat.tensor_from_variable_info(info, concrete=True) for info in rest[4]]
-        saved = [fake_like(t) for t in rest[0]]
+        fake_grads = [_compat.tensor_from_variable_info(info, concrete=True) for info in call.output_info]
+        saved = [fake_like(t) for t in call.saved]
     instance.bind_objects_to_proxies(fake_grads, [instance.to_proxy(g) for g in grads])
     instance.bind_objects_to_proxies(
-        [t for t in saved if t is not None], [instance.to_proxy(t) for t in rest[0] if t is not None]
+        [t for t in saved if t is not None], [instance.to_proxy(t) for t in call.saved if t is not None]
     )
-    outs = list(fn(fake_grads, keys, *values, saved, *rest[1:]))
+    outs = list(call.call(fn, fake_grads, values=values, saved=saved))
     with _compat.disable_proxy_modes_tracing():
         dummies = [None if o is None else instance.allocate_dummy() for o in outs]
     instance.bind_objects_to_proxies(
@@ -155,7 +155,7 @@ class _SymbolicArgs(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def size_dependence(name: str, fn: Any, args: Sequence[Any]) -> str:
+def size_dependence(fn: Any, call: _compat.CppCall) -> str:
     """'' if this backward's ops and arguments are the same for any tensor sizes,
     else why not (the node then runs opaque: traced, its sizes would be baked in).
     Decided once per function and input layout, on fake tensors whose sizes are
@@ -163,31 +163,29 @@ def size_dependence(name: str, fn: Any, args: Sequence[Any]) -> str:
     concrete: no guard that some sizes >= 2 would fail (a branch on a size or on two
     sizes' order, a specialisation), no size reaching an op argument, no error (a
     C++ ``sizes()`` on symbolic sizes raises). Contiguous inputs only."""
-    keys, values, rest = _compat.split_cpp_node_args(args)
     # (sizes, strides, dtype, device) of each saved tensor (else the value), and of
     # each incoming grad (output_info): the cache key, and what the probe fakes
     saved = [
         (*map(tuple, _compat.size_hints(t)), t.dtype, t.device) if isinstance(t, torch.Tensor) else t
-        for t in rest[0]
+        for t in call.saved
     ]
     grads = []
-    for info in rest[4]:
+    for info in call.output_info:
         g = _compat.tensor_from_variable_info(info, concrete=True)
         grads.append((tuple(g.shape), tuple(g.stride()), g.dtype, g.device))
-    key = (name, tuple(keys), tuple(type(v).__name__ for v in values), tuple(saved), tuple(grads))
+    key = (call.name, call.keys, tuple(type(v).__name__ for v in call.values), tuple(saved), tuple(grads))
     found = _SIZES.get(key)
     if found is None:
-        found = _SIZES[key] = _probe_sizes(fn, keys, values, rest, saved, grads)
+        found = _SIZES[key] = _probe_sizes(fn, call, saved, grads)
     return found
 
 
-def _probe_sizes(
-    fn: Any, keys: list[str], values: list[Any], rest: list[Any], saved: list[Any], grads: list[tuple[Any, ...]]
-) -> str:
+def _probe_sizes(fn: Any, call: _compat.CppCall, saved: list[Any], grads: list[tuple[Any, ...]]) -> str:
     if any(isinstance(x, tuple) and list(x[1]) != _contiguous_strides(x[0]) for x in saved):
         return "a saved tensor is not contiguous (sizes are only probed on contiguous ones)"
     distinct = {s for x in [*saved, *grads] if isinstance(x, tuple) for s in x[0] if s > 1}
-    numbers = [_compat.concrete(v) for v in values]
+    numbers = [_compat.concrete(v) for v in call.values]
+    tail = _compat.concrete(call.tail)
     uses = _SymbolicArgs()
 
     def run(symbols: dict[str, Any]) -> None:
@@ -197,7 +195,7 @@ def _probe_sizes(
         fakes = [make(*x) if isinstance(x, tuple) else x for x in saved]
         fake_grads = [make(*g) for g in grads]
         with uses:
-            fn(fake_grads, keys, *numbers, fakes, *_compat.concrete(tuple(rest[1:])))
+            call.call(fn, fake_grads, values=numbers, saved=fakes, tail=tail)
 
     probed = run_symbolic({f"size{s}": s for s in distinct}, run)
     if probed.error is not None:

@@ -131,23 +131,31 @@ class _StandIn:
 
 class _FloatUses(TorchDispatchMode):
     """Notes each op a symbolic float depending on the run's symbols reaches, unless
-    the tensorify pass can take it there or ``allow(func, args, leaf)`` says so."""
+    the tensorify pass can take it there or ``allow(func, args, leaf)`` says so; and,
+    where that pass takes no Python arithmetic (torch 2.11 / 2.12), each op that
+    any float computed from a float symbol reaches (``ctx.k * ctx.scale``)."""
 
-    def __init__(self, symbols: dict[Any, str], allow: Callable[[Any, tuple[Any, ...], Any], bool]) -> None:
+    def __init__(
+        self, symbols: dict[Any, str], floats: set[Any], allow: Callable[[Any, tuple[Any, ...], Any], bool]
+    ) -> None:
         super().__init__()
         self.symbols = symbols
+        self.floats = floats if not _compat.tensorifies_python_arithmetic() else set()
         self.tensorifiable = _compat.tensorifiable_ops()
         self.allow = allow
         self.found: list[tuple[str, Any]] = []  # (symbol name, op)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func not in self.tensorifiable:
-            for leaf in tree_leaves((args, kwargs)):
-                if isinstance(leaf, torch.SymFloat) and not self.allow(func, args, leaf):
-                    for sym in leaf.node.expr.free_symbols:
-                        if sym in self.symbols:
-                            self.found.append((self.symbols[sym], func))
+        for leaf in tree_leaves((args, kwargs)):
+            if not isinstance(leaf, torch.SymFloat):
+                continue
+            expr = leaf.node.expr
+            if func not in self.tensorifiable and not self.allow(func, args, leaf):
+                self.found += [(self.symbols[sym], func) for sym in expr.free_symbols if sym in self.symbols]
+            elif not expr.is_Symbol and self.floats:
+                what = f"{func} (through Python arithmetic, {expr}, that this torch's tensorify pass does not take)"
+                self.found += [(self.symbols[sym], what) for sym in expr.free_symbols if sym in self.floats]
         return func(*args, **kwargs)
 
 
@@ -176,7 +184,8 @@ def run_symbolic(
         shape_env, fake_mode = _compat.symbolic_probe_mode()
         symbols = {name: _compat.new_symbol(shape_env, name, hint) for name, hint in hints.items()}
         names = {value.node.expr: name for name, value in symbols.items()}
-        uses = _FloatUses(names, allow)
+        floats = {value.node.expr for value in symbols.values() if isinstance(value, torch.SymFloat)}
+        uses = _FloatUses(names, floats, allow)
         result, error = None, None
         with fake_mode, torch.no_grad():
             try:

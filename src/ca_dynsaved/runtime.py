@@ -71,10 +71,8 @@ class Fallback:
     (kind, index in the packed tensors), and the CA graph's nodes of its incoming
     grads, saved tensors, packed scalars, of what its trace recorded and returned."""
 
-    name: str
     fn: Callable[..., Any]
-    keys: tuple[str, ...]
-    rest: tuple[Any, ...]  # the call's trailing args after the saved tensors, concrete
+    call: _compat.CppCall  # detached: filled in by each run
     numbers: tuple[tuple[str, int], ...]
     grads: list[torch.fx.Node | None]
     saved: list[torch.fx.Node | None]
@@ -86,11 +84,12 @@ class Fallback:
         """The backward with this run's saved numbers; the forward outputs' sizes
         (output_info) are the incoming grads' of this run."""
         numbers = [(ints if kind is opaque.INT else floats)[i].item() for kind, i in self.numbers]
-        rest = list(self.rest)
-        rest[3] = [
-            (*info[:3], list(g.shape) if g is not None else info[3], *info[4:]) for info, g in zip(rest[3], grads)
-        ]
-        return list(self.fn(list(grads), list(self.keys), *numbers, list(saved), *rest))
+        call = self.call.with_output_sizes([None if g is None else g.shape for g in grads])
+        return list(call.call(self.fn, grads, values=numbers, saved=saved))
+
+    @property
+    def name(self) -> str:
+        return self.call.name
 
 
 @dataclass
@@ -172,10 +171,10 @@ def refusing_fsdp2(runtime_wrapper: Callable[..., Any]) -> Callable[..., Any]:
     """CA's ``runtime_wrapper``, checking on a capture's first run that no FSDP2
     hook is in it. FSDP2's pre-backward hook queues its post-backward (reduce-scatter,
     reshard) with ``Variable._execution_engine.queue_callback``; under compiled
-    autograd on torch 2.13 / 2.14 that callback never runs, so gradients are never
-    reduced and parameters stay unsharded: stock CA trains wrong silently (README,
-    "Distributed training", has the repro). Raised before the graph runs, so
-    nothing has been mutated."""
+    autograd that callback never runs: on torch 2.12 to 2.15 silently (gradients are
+    never reduced and parameters stay unsharded: stock CA trains wrong; README,
+    "Distributed training", has the repro), on 2.11 ``queue_callback`` raises.
+    Raised before the graph runs, so nothing has been mutated."""
     checked: list[bool] = []
 
     @torch.compiler.disable
@@ -187,9 +186,10 @@ def refusing_fsdp2(runtime_wrapper: Callable[..., Any]) -> Callable[..., Any]:
                     f"ca_dynsaved: this backward holds FSDP2's {hook} hook. Under compiled "
                     f"autograd on torch {torch.__version__}, FSDP2's post-backward callback "
                     "(queued with Variable._execution_engine.queue_callback) never runs: "
-                    "gradients are not reduce-scattered and parameters stay unsharded, so "
-                    "stock compiled autograd trains wrong silently. Run FSDP2 backwards "
-                    "without compiled autograd (README, \"Distributed training\")."
+                    "gradients are not reduce-scattered and parameters stay unsharded "
+                    "(stock compiled autograd trains wrong silently on torch 2.12 to 2.15; "
+                    "on 2.11 queue_callback raises). Run FSDP2 backwards without compiled "
+                    "autograd (README, \"Distributed training\")."
                 )
             checked.append(True)
         return runtime_wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)

@@ -119,29 +119,31 @@ def _small(sizes: Sequence[int]) -> list[int]:
 @dataclass(frozen=True)
 class Inputs:
     """What a trace of one node needs, free of the capture's symbols and modes: the
-    functional, its saved keys, the (dtype, device, small sizes) of its saved tensors
-    and incoming grads, and its other call arguments, concrete."""
+    functional, its call (``CppCall.detached``, forward outputs of small sizes), the
+    (dtype, device, small sizes) of its saved tensors and incoming grads."""
 
     fn: Callable[..., Any]
-    keys: tuple[str, ...]
+    call: _compat.CppCall
     saved: tuple[Any, ...]  # (sizes, dtype, device) per saved tensor, or the value
     grads: tuple[tuple[list[int], torch.dtype, torch.device], ...]
-    rest: tuple[Any, ...]  # the call's trailing args after the saved tensors
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self.call.keys
 
     @staticmethod
-    def of(fn: Callable[..., Any], keys: Sequence[str], rest: Sequence[Any]) -> "Inputs":
+    def of(fn: Callable[..., Any], call: _compat.CppCall) -> "Inputs":
         saved = tuple(
             (_small(_compat.size_hints(t)[0]), t.dtype, t.device) if isinstance(t, torch.Tensor) else t
-            for t in rest[0]
+            for t in call.saved
         )
         grads = []
-        for info in rest[4]:
+        for info in call.output_info:
             t = _compat.tensor_from_variable_info(info, concrete=True)
             grads.append((_small(t.shape), t.dtype, t.device))
-        trailing = list(_compat.concrete(tuple(rest[1:])))
         # output_info: the forward outputs' sizes, which an undefined grad is made of
-        trailing[3] = [(*info[:3], _small(info[3]), *info[4:]) for info in trailing[3]]
-        return Inputs(fn, tuple(keys), saved, tuple(grads), tuple(trailing))
+        detached = call.detached().with_output_sizes([g[0] for g in grads])
+        return Inputs(fn, detached, saved, tuple(grads))
 
     def record(self, numbers: Sequence[Any]) -> tuple[list[_Op], Exception | None]:
         """The ops the backward runs with these saved numbers, on real tensors of at
@@ -153,7 +155,7 @@ class Inputs:
             grads = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in self.grads]
             try:
                 with recorder:
-                    self.fn(grads, list(self.keys), *numbers, saved, *self.rest)
+                    self.call.call(self.fn, grads, values=numbers, saved=saved)
             except Exception as e:  # noqa: BLE001 - the caller refuses: the safe side
                 return recorder.ops, e
         return recorder.ops, None
