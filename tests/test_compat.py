@@ -53,12 +53,21 @@ _IMPORT_AND_REPORT = (
 )
 
 
-def _import_after(setup: str, env: dict[str, str] | None = None) -> list[str]:
+def _python(setup: str, then: str, allow_untested: bool = False) -> subprocess.CompletedProcess:
+    """A fresh interpreter running ``setup`` (with torch and CA imported), then
+    ``then``; the user's opt-in for untested releases set only if ``allow_untested``."""
+    code = f"import torch, torch._dynamo.compiled_autograd as ca\n{setup}\n{then}"
+    env = {k: v for k, v in os.environ.items() if k != _compat.ALLOW_UNTESTED_ENV}
+    if allow_untested:
+        env[_compat.ALLOW_UNTESTED_ENV] = "1"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+
+
+def _import_after(setup: str) -> list[str]:
     """Run ``setup`` then import the plugin in a fresh interpreter: the import error
     (or nothing) and whether torch was patched."""
-    code = f"import torch, torch._dynamo.compiled_autograd as ca\n{setup}\n{_IMPORT_AND_REPORT}"
-    environ = {k: v for k, v in os.environ.items() if k != _compat.ALLOW_UNTESTED_ENV} | (env or {})
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=environ)
+    out = _python(setup, _IMPORT_AND_REPORT)
+    assert out.returncode == 0, out.stderr
     return out.stdout.splitlines()
 
 
@@ -145,9 +154,7 @@ print(json.dumps({
 
 
 def _untested_import(setup: str) -> dict:
-    code = f"import torch, torch._dynamo.compiled_autograd as ca\n{setup}\n{_STATE_AFTER_IMPORT}"
-    env = {k: v for k, v in os.environ.items()} | {_compat.ALLOW_UNTESTED_ENV: "1"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    out = _python(setup, _STATE_AFTER_IMPORT, allow_untested=True)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.splitlines()[-1])
 

@@ -8,6 +8,9 @@ so the import-time version check can refuse a release nobody has tested.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -47,8 +50,6 @@ def is_tested_release(version: str | None = None) -> bool:
 
 
 def untested_allowed() -> bool:
-    import os
-
     return os.environ.get(ALLOW_UNTESTED_ENV, "") == "1"
 
 
@@ -143,7 +144,9 @@ def register_config_entry(name: str, default: Any, value_type: type) -> None:
 
     config = torch._dynamo.config
     if name not in config._config:
-        config._config[name] = _new_config_entry(_ConfigEntry, _Config(default=default, value_type=value_type), name)
+        # torch 2.12+: _ConfigEntry(config, name); 2.11: _ConfigEntry(config).
+        named = "name" in inspect.signature(_ConfigEntry.__init__).parameters
+        config._config[name] = _ConfigEntry(_Config(default=default, value_type=value_type), *([name] if named else []))
         config._compile_ignored_keys.add(name)
         _mark_config_dirty(config)
 
@@ -153,24 +156,6 @@ def unregister_config_entry(name: str) -> None:
     if config._config.pop(name, None) is not None:
         config._compile_ignored_keys.discard(name)
         _mark_config_dirty(config)
-
-
-def _new_config_entry(entry: Any, config: Any, name: str) -> Any:
-    # torch 2.11: _ConfigEntry(config); 2.12+: _ConfigEntry(config, name).
-    if _CONFIG_ENTRY_TAKES_NAME:
-        return entry(config, name)
-    return entry(config)
-
-
-def _config_entry_takes_name() -> bool:
-    import inspect
-
-    from torch.utils._config_module import _ConfigEntry
-
-    return "name" in inspect.signature(_ConfigEntry.__init__).parameters
-
-
-_CONFIG_ENTRY_TAKES_NAME = _config_entry_takes_name()
 
 
 def _mark_config_dirty(config: Any) -> None:
@@ -214,8 +199,6 @@ def no_ca() -> Any:
 def register_torch_log(name: str) -> None:
     """Let ``TORCH_LOGS="+<name>"`` (debug) / ``"<name>"`` (info) control the
     logger ``<name>``, as torch's own logs are controlled."""
-    import os
-
     from torch._logging import _internal
 
     _internal.register_log(name, [name])
@@ -387,17 +370,13 @@ def holds_for_sizes_above_one(shape_env: Any, names: dict[Any, str]) -> bool:
     return True
 
 
-def _optimization_hint() -> Callable[[Any], int]:
-    from torch.fx.experimental import symbolic_shapes
+from torch.fx.experimental import symbolic_shapes as _symbolic_shapes  # noqa: E402
 
-    # torch 2.12+: optimization_hint; 2.11: size_hint (the same read of a SymInt's
-    # hint, without a guard, for a backed symbol).
-    found = getattr(symbolic_shapes, "optimization_hint", None)
-    return found if found is not None else symbolic_shapes.size_hint
-
-
-#: The concrete value of a SymInt (an int as is), read without guarding.
-optimization_hint = _optimization_hint()
+#: The concrete value of a SymInt (an int as is), read without guarding. torch
+#: 2.12+: optimization_hint; 2.11: size_hint (the same read, for a backed symbol).
+optimization_hint: Callable[[Any], int] = (
+    getattr(_symbolic_shapes, "optimization_hint", None) or _symbolic_shapes.size_hint
+)
 
 
 def size_hints(t: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -468,6 +447,7 @@ def _guards_recorded() -> Iterator[None]:
         symbolic_shapes.TLS.suppress_guards = prior
 
 
+@functools.cache
 def tensorifiable_ops() -> frozenset[Any]:
     """The ops whose float arguments the backends' tensorify pass turns into tensor
     arguments; a symbolic float reaching any other op gets specialised there
@@ -534,15 +514,13 @@ class CppCall:
             str(args[-1]), keys, tuple(args[1 : 1 + len(keys)]), tuple(rest[0]), tuple(tail[_TAIL_OUTPUT_INFO]), tail
         )
 
-    def args(
-        self, values: Sequence[Any] | None = None, saved: Sequence[Any] | None = None, tail: Sequence[Any] | None = None
-    ) -> tuple[Any, ...]:
-        """The call's arguments in CA's layout, with any of the parts replaced."""
+    def args(self, values: Sequence[Any] | None = None, saved: Sequence[Any] | None = None) -> tuple[Any, ...]:
+        """The call's arguments in CA's layout, the saved values or tensors replaced."""
         return (
             list(self.keys),
             *(self.values if values is None else values),
             list(self.saved if saved is None else saved),
-            *(self.tail if tail is None else tail),
+            *self.tail,
         )
 
     def call(self, fn: Callable[..., Any], grads: Sequence[Any], **parts: Any) -> Any:

@@ -185,7 +185,7 @@ def _probe_sizes(fn: Any, call: _compat.CppCall, saved: list[Any], grads: list[t
         return "a saved tensor is not contiguous (sizes are only probed on contiguous ones)"
     distinct = {s for x in [*saved, *grads] if isinstance(x, tuple) for s in x[0] if s > 1}
     numbers = [_compat.concrete(v) for v in call.values]
-    tail = _compat.concrete(call.tail)
+    detached = call.detached()
     uses = _SymbolicArgs()
 
     def run(symbols: dict[str, Any]) -> None:
@@ -195,7 +195,7 @@ def _probe_sizes(fn: Any, call: _compat.CppCall, saved: list[Any], grads: list[t
         fakes = [make(*x) if isinstance(x, tuple) else x for x in saved]
         fake_grads = [make(*g) for g in grads]
         with uses:
-            call.call(fn, fake_grads, values=numbers, saved=fakes, tail=tail)
+            detached.call(fn, fake_grads, values=numbers, saved=fakes)
 
     probed = run_symbolic({f"size{s}": s for s in distinct}, run)
     if probed.error is not None:
