@@ -1,15 +1,16 @@
-"""One rank of the distributed tests (spawned by test_distributed.py)."""
+"""One rank of the DDP tests (spawned by test_distributed.py)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
-import traceback
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+import dist_worker  # noqa: E402
 
 STEPS = 8
 
@@ -34,12 +35,7 @@ class _Model(torch.nn.Module):
         return self.b(h).square().mean()
 
 
-def _full(t: torch.Tensor) -> list:
-    # FSDP2 shards parameters and grads as DTensors.
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).tolist()
-
-
-def _train(rank: int, mode: str, same: bool, wrap: str) -> dict:
+def _train(rank: int, mode: str, same: bool) -> dict:
     """Train a fresh model ``STEPS`` steps; return its grads per step, its
     parameters (and their types) and the counts."""
     import ca_dynsaved
@@ -50,15 +46,7 @@ def _train(rank: int, mode: str, same: bool, wrap: str) -> dict:
     torch._dynamo.reset()
     torch._dynamo.utils.clear_compilation_metrics()
     torch.manual_seed(0)
-    model = _Model(cpp_ext.load())
-    if wrap == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(model.a)
-        fully_shard(model.b)
-        fully_shard(model)
-    else:
-        model = torch.nn.parallel.DistributedDataParallel(model)
+    model = torch.nn.parallel.DistributedDataParallel(_Model(cpp_ext.load()))
     opt = torch.optim.SGD(model.parameters(), lr=0.001)
     if mode in ("compiled_config", "compiled_config_stock"):
         # How users combine DDP with CA: the step under torch.compile, CA and the
@@ -85,7 +73,7 @@ def _train(rank: int, mode: str, same: bool, wrap: str) -> dict:
             else:
                 with ca_dynsaved.enable(backend="aot_eager"):
                     loss.backward()
-        grads.append([_full(p.grad) for p in model.parameters()])
+        grads.append([p.grad.tolist() for p in model.parameters()])
         opt.step()
         opt.zero_grad()
     torch._dynamo.config.compiled_autograd = False
@@ -105,34 +93,22 @@ def _train(rank: int, mode: str, same: bool, wrap: str) -> dict:
             if m.recompile_reason
         ],
         "grads": grads,
-        "params": [_full(p.detach()) for p in model.parameters()],
-        "param_types": sorted({type(p).__name__ for p in model.parameters()}),
+        "params": [p.detach().tolist() for p in model.parameters()],
         "compiles": counters["stats"]["unique_graphs"],
         "captures": counters["compiled_autograd"]["captures"],
         "graph_breaks": sum(counters["graph_break"].values()),
     }
 
 
-def run(rank: int, world: int, port: int, modes: list[str], same: bool, queue, wrap: str = "ddp") -> None:
+def run(rank: int, world: int, port: int, queue, modes: list[str], same: bool) -> None:
     """Train once per mode, in this process: "eager", "stock" (stock CA around
     backward), "plugin" (ca_dynsaved around backward), "compiled_config" (see
-    _train), or "cpp_reducer" (the plugin with DDP's C++ reducer, which CA refuses);
-    wrap: "ddp" or "fsdp2". Puts {"rank", mode: result or {"error", "traceback"}}."""
-    out: dict = {"rank": rank}
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        for mode in modes:
-            # DDP picks its reducer when it is built: torch's default is the C++ one.
-            torch._dynamo.config.optimize_ddp = "ddp_optimizer" if mode == "cpp_reducer" else "python_reducer"
-            try:
-                out[mode] = _train(rank, mode, same, wrap)
-            except Exception as e:  # report, do not hang the parent
-                out[mode] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-                dist.barrier()  # every rank fails at the same point, before any collective
-        queue.put(out)
-    except BaseException as e:
-        queue.put({"rank": rank, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    _train), or "cpp_reducer" (the plugin with DDP's C++ reducer, which CA refuses).
+    Puts {"rank", mode: result or {"error", "traceback"}}."""
+
+    def train(mode: str) -> dict:
+        # DDP picks its reducer when it is built: torch's default is the C++ one.
+        torch._dynamo.config.optimize_ddp = "ddp_optimizer" if mode == "cpp_reducer" else "python_reducer"
+        return _train(rank, mode, same)
+
+    dist_worker.serve(rank, world, port, queue, [(mode, functools.partial(train, mode)) for mode in modes])

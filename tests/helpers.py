@@ -85,6 +85,7 @@ def patched_state() -> tuple[Any, ...]:
         getattr(config, ca_dynsaved.CONFIG_FLAG, "absent"),
         getattr(config, ca_dynsaved.CONFIG_PYTHON_POLICY, "absent"),
         tuple(_install._modes),
+        torch.autograd.variable.Variable._execution_engine,
     )
 
 

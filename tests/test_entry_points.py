@@ -214,16 +214,21 @@ def test_config_entry_is_a_real_config(ext):
 
 
 def test_install_uninstall_symmetric_and_idempotent(ext):
+    from torch._dynamo.resume_execution import ContinueExecutionCache
+
     config = torch._dynamo.config
+    stock_generate = ContinueExecutionCache.__dict__["generate"].__func__.__wrapped_generate__
     ca_dynsaved.uninstall()
     ca_dynsaved.uninstall()
     try:
         assert ca._enable is _compat.stock_enable
         assert not hasattr(config, ca_dynsaved.CONFIG_FLAG)
         assert ca_dynsaved.CONFIG_FLAG not in config.get_config_copy()
+        assert ContinueExecutionCache.__dict__["generate"].__func__ is stock_generate
     finally:
         ca_dynsaved.install()
         ca_dynsaved.install()
+    assert ContinueExecutionCache.__dict__["generate"].__func__.__wrapped_generate__ is stock_generate
     assert ca._enable is _install._enable_hook
     assert getattr(config, ca_dynsaved.CONFIG_FLAG) is False
     assert ca_dynsaved.CONFIG_FLAG in config.get_config_copy()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ca_dynsaved
-from helpers import STEPS, Counts, assert_grads_equal, counts, run_loop, stock_enable
+from helpers import STEPS, Counts, assert_grads_equal, counts, run_loop, stock_enable, this_release
 from test_python_ctx import ScaleFn
 
 
@@ -203,3 +203,29 @@ def test_double_backward_through_hooked_node(ext):
             (gg,) = torch.autograd.grad(g.sum(), x)
             results.append((g, gg))
         assert_grads_equal(results[0], results[1])
+
+
+@pytest.mark.every_release
+def test_leaf_whose_grad_dtype_differs(ext):
+    """A leaf whose gradient has another dtype (``Tensor.grad_dtype``; torch 2.15's
+    FSDP2 mixed precision sets it on its bf16 unsharded parameters): the plugin
+    gives eager's float64 gradient, once compiled for values changing every step.
+    Stock CA's capture raises on it from torch 2.13 (2.11 and 2.12 do not check the
+    dtype of the gradient their capture assigns)."""
+
+    def step(i):
+        w = torch.ones(3, requires_grad=True)
+        w.grad_dtype = torch.float64
+        ScaleFn.apply(w * 2, i + 1, 0.5 * i).sum().backward()
+        return (w.grad,)
+
+    results = run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=4)
+    assert all(grad.dtype == torch.float64 for (grad,) in results)
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+    if this_release({"2.11": False, "2.12": False, "2.13": True, "2.14": True, "2.15": True}):
+        with pytest.raises(RuntimeError, match="to a tensor with grad_dtype 'Double'"):
+            with stock_enable():
+                step(0)
+    else:
+        with stock_enable():
+            assert step(0)[0].dtype == torch.float64

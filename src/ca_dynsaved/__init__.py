@@ -62,6 +62,7 @@ def reset() -> None:
     every cached CA graph), then the plugin's registry, probe verdicts,
     compiled-graph cache and report."""
     torch._dynamo.reset()
+    _compat.clear_dynamic_scalars()
     opaque.clear()
     probe.clear()
     cpptrace.clear()

@@ -12,6 +12,7 @@ import functools
 import inspect
 import os
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -74,6 +75,7 @@ UNTESTED_TORCH = not is_tested_release()
 
 # Imported only after the version check: on an untested release these may not exist.
 import torch._dynamo.compiled_autograd as ca  # noqa: E402
+from torch._dynamo.utils import ExactWeakKeyDictionary  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 #: What the plugin uses of torch._dynamo.compiled_autograd, and of the capture class
@@ -256,18 +258,86 @@ def without_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-# --- FSDP2 (torch.distributed.fsdp.fully_shard) ----------------------------------------
-_FSDP2_MODULE = "torch.distributed.fsdp._fully_shard"
+# --- Final callbacks (Variable._execution_engine.queue_callback) ------------------------
+class _CollectingEngine(torch._C._ImperativeEngine):  # type: ignore[misc]
+    """The autograd engine, except that ``queue_callback`` called on a thread that
+    runs a compiled backward appends to that run's list. Why: the C++ engine puts
+    such a callback on the graph task of the ``backward()`` that CA took over, and
+    CA returns from that task without its post-processing, so the callback is
+    dropped (FSDP2's post-backward: reduce-scatter and reshard). A subclass, so
+    that Dynamo, tracing a CA graph, still sees the engine (ID_MATCH on this one
+    instance) and keeps its own traced handling of ``queue_callback``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._local = threading.local()
+
+    def _frames(self) -> list[list[Callable[[], None]] | None]:
+        frames = getattr(self._local, "frames", None)
+        if frames is None:
+            frames = self._local.frames = []
+        return frames
+
+    def queue_callback(self, callback: Callable[[], None]) -> None:
+        frames = self._frames()
+        if frames and frames[-1] is not None:
+            frames[-1].append(callback)
+        else:
+            super().queue_callback(callback)
+
+    def run_backward(self, *args: Any, **kwargs: Any) -> Any:
+        # A backward started inside the compiled one (a checkpoint's recompute, a
+        # torch.autograd.grad in a hook) has its own graph task: its callbacks are
+        # the engine's, run when it ends, as in eager.
+        frames = self._frames()
+        frames.append(None)
+        try:
+            return super().run_backward(*args, **kwargs)
+        finally:
+            frames.pop()
 
 
-def fsdp2_hook(hooks: Sequence[Any]) -> str | None:
-    """The name of an FSDP2 hook among a CA run's ``hooks`` (FSDP2 registers its
-    bound ``FSDPState._pre_backward`` on every module output), or None."""
-    for hook in hooks:
-        owner = getattr(hook, "__self__", None)
-        if owner is not None and type(owner).__module__.startswith(_FSDP2_MODULE):
-            return f"{type(owner).__name__}.{getattr(hook, '__name__', '?')}"
-    return None
+_ORIGINAL_ENGINE = torch.autograd.variable.Variable._execution_engine
+_COLLECTING_ENGINE = _CollectingEngine()
+_collecting_lock = threading.Lock()
+_collecting_runs = 0  # compiled backwards running, all threads: the swap is in while > 0
+
+
+@contextlib.contextmanager
+def collecting_final_callbacks() -> Iterator[list[Callable[[], None]]]:
+    """While the block runs, callbacks queued on this thread go to the yielded list
+    instead of the engine. ``torch.autograd.Variable._execution_engine`` (read by
+    every caller at call time) is the collecting engine while any thread is in
+    such a block, the original again after the last one leaves."""
+    global _collecting_runs
+    variable = torch.autograd.variable.Variable
+    with _collecting_lock:
+        if _collecting_runs == 0:
+            variable._execution_engine = _COLLECTING_ENGINE
+        _collecting_runs += 1
+    queued: list[Callable[[], None]] = []
+    frames = _COLLECTING_ENGINE._frames()
+    frames.append(queued)
+    try:
+        yield queued
+    finally:
+        frames.pop()
+        with _collecting_lock:
+            _collecting_runs -= 1
+            if _collecting_runs == 0:
+                variable._execution_engine = _ORIGINAL_ENGINE
+
+
+# --- What a capture allocates ----------------------------------------------------------
+def grad_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype ``t.grad`` gets: ``t.grad_dtype`` (``t``'s unless set; None allows
+    any, then ``t``'s)."""
+    return t.grad_dtype or t.dtype
+
+
+def no_proxy_modes() -> Any:
+    """CA's context for making real tensors while a capture traces."""
+    return ca.disable_proxy_modes_tracing()
 
 
 #: Whether two tensors share storage (a view, a detach, the same tensor): one C++ call.
@@ -282,7 +352,8 @@ def validate_outputs_fn() -> Callable[..., Any]:
 # --- Dynamo's automatic-dynamic state (torch._dynamo.pgo) ---------------------------
 def mark_dynamic_scalars(code: Any, sources: Sequence[str]) -> None:
     """Make Dynamo treat the scalars named ``sources`` (``L['hooks'][0].k``) in
-    frames of ``code`` as dynamic from their first compile.
+    frames of ``code``, and of the resume functions Dynamo makes from them at a
+    graph break, as dynamic from their first compile.
 
     What automatic dynamic records once a value has changed (one recompile later);
     writing it before the first compile skips that recompile. Only these names
@@ -296,6 +367,50 @@ def mark_dynamic_scalars(code: Any, sources: Sequence[str]) -> None:
     state = pgo.get_code_state()[pgo.CodeId.make(code)]
     for name in sources:
         state.automatic_dynamic[name] = pgo.FrameStateSizeEntry.make_scalar(pgo.auto_dynamic)
+    _dynamic_by_code[code] = tuple(sources)
+
+
+def clear_dynamic_scalars() -> None:
+    """Forget the marked codes (``ca_dynsaved.reset()``; pgo's own state goes with
+    ``torch._dynamo.reset()``)."""
+    _dynamic_by_code.clear()
+
+
+#: CA graph code (and resume functions made from it) -> its dynamic scalars. By
+#: identity: code objects compare equal by value, and a stock capture's graph can
+#: have the same code as a plugin one.
+_dynamic_by_code: Any = ExactWeakKeyDictionary()
+
+
+def _marking_resume_functions(generate: Any) -> Any:
+    """``ContinueExecutionCache.generate``, then the dynamic scalars of the frame it
+    resumes marked on the new code. A resume function keeps the frame's local
+    names (``hooks``, ``scalars``), so the sources are the same strings; without
+    this, a CA graph broken by a disabled hook (FSDP2's) recompiles once per
+    resume function that reads a ctx number."""
+
+    @functools.wraps(generate)
+    def wrapper(cls: Any, code: Any, *args: Any, **kwargs: Any) -> Any:
+        new_code = generate(cls, code, *args, **kwargs)
+        sources = _dynamic_by_code.get(code)
+        if sources:
+            mark_dynamic_scalars(new_code, sources)
+        return new_code
+
+    wrapper.__wrapped_generate__ = generate  # type: ignore[attr-defined]
+    return wrapper
+
+
+def patch_resume_functions(on: bool) -> None:
+    """Install (``on``) or remove the resume-function marking; idempotent."""
+    from torch._dynamo.resume_execution import ContinueExecutionCache as cache
+
+    current = cache.__dict__["generate"].__func__
+    original = getattr(current, "__wrapped_generate__", None)
+    if on and original is None:
+        cache.generate = classmethod(_marking_resume_functions(current))
+    elif not on and original is not None:
+        cache.generate = classmethod(original)
 
 
 def dynamo_specializes_floats() -> bool:

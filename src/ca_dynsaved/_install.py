@@ -203,6 +203,7 @@ def install() -> None:
         _register_config()
         if _compat.ca._enable is not _enable_hook:
             _compat.swap_enable(_enable_hook)
+        _compat.patch_resume_functions(True)
 
 
 def switch_off(reason: str) -> None:
@@ -227,5 +228,6 @@ def uninstall() -> None:
             raise RuntimeError("ca_dynsaved.uninstall() inside an open compiled-autograd context")
         if _compat.ca._enable is _enable_hook:
             _compat.swap_enable(_compat.stock_enable)
+        _compat.patch_resume_functions(False)
         _unregister_config()
         _own_cache(STOCK)

@@ -127,6 +127,15 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         return out
 
     @_disable
+    def allocate_dummy_like(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        # Stock calls this once, for the gradient its capture assigns to a leaf
+        # (accumulate_grad), in the leaf's dtype; a leaf whose gradient has another
+        # dtype (``Tensor.grad_dtype``: torch 2.15's FSDP2 mixed precision gives bf16
+        # unsharded parameters fp32 gradients) refuses it. In the gradient's dtype.
+        with _compat.no_proxy_modes():
+            return torch.empty_like(x, dtype=_compat.grad_dtype(x))
+
+    @_disable
     def bind_function(self, fn_name, fn, is_custom_function, is_traceable):  # type: ignore[no-untyped-def,override]
         name = super().bind_function(fn_name, fn, is_custom_function, is_traceable)
         if is_custom_function:
@@ -462,7 +471,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
     @_disable
     def end_capture(self, outputs):  # type: ignore[no-untyped-def,override]
         runtime_wrapper, compiled_fn = super().end_capture(outputs)
-        runtime_wrapper = runtime.refusing_fsdp2(runtime_wrapper)
+        runtime_wrapper = runtime.running_final_callbacks(runtime_wrapper, self._capture)
         if log.isEnabledFor(logging.INFO):
             for node in self._capture.nodes:
                 what = f"{node.handling} ({node.reason})" if node.reason else node.handling

@@ -140,6 +140,9 @@ class CaptureRecord:
     # verify: steps an opted-in traced node ran opaque, newest MAX_REFUSED kept:
     # (node, its saved numbers, why the check refused them)
     refused: deque[tuple[str, dict[str, Any], str]] = field(default_factory=lambda: deque(maxlen=MAX_REFUSED))
+    # Callbacks queued during its runs (queue_callback) that the plugin ran after
+    # the graph; stock CA drops them (runtime.running_final_callbacks).
+    final_callbacks: int = 0
 
     def refuse(self, name: str, values: dict[str, Any], reason: str) -> None:
         self.refused.append((name, values, reason))
@@ -180,6 +183,7 @@ class Report:
                     "compiled": c.compiled,
                     "nodes": [asdict(n) for n in c.nodes],
                     "refused": [list(r) for r in c.refused],
+                    "final_callbacks": c.final_callbacks,
                 }
                 for c in self.captures
             ],

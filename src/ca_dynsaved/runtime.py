@@ -20,6 +20,9 @@
   before the compiled graph may use it. A refused tuple runs that step eagerly on a
   copy of the graph where the node's C++ functional is called directly instead of
   its traced ops (``Fallback``).
+* Final callbacks: those queued while the graph runs by code outside Dynamo's graph
+  run after it, as after an eager backward (``running_final_callbacks``; stock CA
+  drops them, FSDP2's post-backward among them).
 """
 
 from __future__ import annotations
@@ -163,36 +166,27 @@ def fallback_graph(gm: torch.fx.GraphModule, fallbacks: Sequence[Fallback]) -> t
     return torch.fx.GraphModule(gm, graph)
 
 
-class FSDP2Error(RuntimeError):
-    """FSDP2 under compiled autograd on a torch that drops its post-backward."""
-
-
-def refusing_fsdp2(runtime_wrapper: Callable[..., Any]) -> Callable[..., Any]:
-    """CA's ``runtime_wrapper``, checking on a capture's first run that no FSDP2
-    hook is in it. FSDP2's pre-backward hook queues its post-backward (reduce-scatter,
-    reshard) with ``Variable._execution_engine.queue_callback``; under compiled
-    autograd that callback never runs: on torch 2.12 to 2.15 silently (gradients are
-    never reduced and parameters stay unsharded: stock CA trains wrong; README,
-    "Distributed training", has the repro), on 2.11 ``queue_callback`` raises.
-    Raised before the graph runs, so nothing has been mutated."""
-    checked: list[bool] = []
+def running_final_callbacks(runtime_wrapper: Callable[..., Any], record: CaptureRecord) -> Callable[..., Any]:
+    """CA's ``runtime_wrapper``, then every callback queued with
+    ``Variable._execution_engine.queue_callback`` while it ran, in order, including
+    callbacks queued by callbacks: what the engine's post-processing does at the end
+    of an eager backward, and what stock CA skips for callbacks queued by code that
+    runs outside Dynamo's graph (a ``torch.compiler.disable``d hook such as FSDP2's
+    pre-backward, whose post-backward callback reduce-scatters the gradients and
+    reshards the parameters). A callback queued by code Dynamo traces is still
+    Dynamo's (run by the graph's ``exec_final_callbacks``). A backward that raises
+    runs none, as in eager. ``record.final_callbacks`` counts those run."""
 
     @torch.compiler.disable
     def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
-        if not checked:
-            hook = _compat.fsdp2_hook(hooks)
-            if hook is not None:
-                raise FSDP2Error(
-                    f"ca_dynsaved: this backward holds FSDP2's {hook} hook. Under compiled "
-                    f"autograd on torch {torch.__version__}, FSDP2's post-backward callback "
-                    "(queued with Variable._execution_engine.queue_callback) never runs: "
-                    "gradients are not reduce-scattered and parameters stay unsharded "
-                    "(stock compiled autograd trains wrong silently on torch 2.12 to 2.15; "
-                    "on 2.11 queue_callback raises). Run FSDP2 backwards without compiled "
-                    "autograd (README, \"Distributed training\")."
-                )
-            checked.append(True)
-        return runtime_wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
+        with _compat.collecting_final_callbacks() as queued:
+            out = runtime_wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
+            i = 0
+            while i < len(queued):  # a callback may queue more
+                queued[i]()
+                i += 1
+        record.final_callbacks += i
+        return out
 
     return wrapper
 
