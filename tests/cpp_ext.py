@@ -123,6 +123,28 @@ struct ConfigFn : public Function<ConfigFn<TRACE>> {
   }
 };
 
+// A message-passing gather as GNN libraries write it: the source's sizes saved as
+// an int list (CA hashes lists: each new batch size is a new capture), the index as
+// a saved tensor, and a bool.
+template <bool TRACE>
+struct GatherFn : public Function<GatherFn<TRACE>> {
+  static constexpr bool is_traceable = TRACE;
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor src, at::Tensor index, bool halve) {
+    ctx->saved_data["src_shape"] = src.sizes().vec();
+    ctx->saved_data["halve"] = halve;
+    ctx->save_for_backward({index});
+    auto out = src.index_select(0, index);
+    return halve ? out * 0.5 : out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    auto shape = ctx->saved_data["src_shape"].toIntVector();
+    auto index = ctx->get_saved_variables()[0];
+    auto grad = ctx->saved_data["halve"].toBool() ? g[0] * 0.5 : g[0];
+    auto src_grad = torch::zeros(shape, grad.options()).index_add_(0, index, grad);
+    return {src_grad.narrow(0, 0, shape[0]), at::Tensor(), at::Tensor()};
+  }
+};
+
 // One output per entry of a saved int vector: its length is graph structure.
 template <bool TRACE>
 struct SplitFn : public Function<SplitFn<TRACE>> {
@@ -297,6 +319,12 @@ at::Tensor throw_traceable(at::Tensor x, int64_t k) { return ThrowFn<true>::appl
 at::Tensor throw_opaque(at::Tensor x, int64_t k) { return ThrowFn<false>::apply(x, k); }
 at::Tensor mat_traceable(at::Tensor x, at::Tensor w, double s) { return MatFn<true>::apply(x, w, s); }
 at::Tensor mat_opaque(at::Tensor x, at::Tensor w, double s) { return MatFn<false>::apply(x, w, s); }
+at::Tensor gather_traceable(at::Tensor src, at::Tensor index, bool halve) {
+  return GatherFn<true>::apply(src, index, halve);
+}
+at::Tensor gather_opaque(at::Tensor src, at::Tensor index, bool halve) {
+  return GatherFn<false>::apply(src, index, halve);
+}
 at::Tensor skip_traceable(at::Tensor x, bool skip, int64_t k) { return SkipFn<true>::apply(x, skip, k); }
 at::Tensor skip_opaque(at::Tensor x, bool skip, int64_t k) { return SkipFn<false>::apply(x, skip, k); }
 at::Tensor config_traceable(at::Tensor x, bool flip, std::string mode, std::vector<int64_t> dims,
@@ -355,6 +383,8 @@ FUNCTIONS = [
     "direct_fn",
     "pass_traceable",
     "pass_opaque",
+    "gather_traceable",
+    "gather_opaque",
 ]
 
 

@@ -181,7 +181,7 @@ def test_other_threads_keep_the_engine():
 
     @torch.compiler.disable
     def blocking_hook(g):
-        assert isinstance(Variable._execution_engine, _compat._CollectingEngine)
+        assert isinstance(Variable._execution_engine, _compat._PluginEngine)
         started.set()
         assert release.wait(30)
         return g

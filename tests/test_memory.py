@@ -75,20 +75,23 @@ def test_new_string_at_every_step(ext):
     node spec, compiles nothing, keeps the newest 256 captures in its report, and
     adds less than 0.4 MiB of RSS per capture after the first 50 (CA's own cache
     holds each capture's graph: stock CA's captures cost 0.14 MiB each here, the
-    plugin's 0.16 MiB)."""
+    plugin's 0.16 MiB). The recompile limit is raised past the steps: at the default
+    (8) the plugin would stop capturing this graph after 8 captures and run it as
+    plain autograd (test_payoff); here every step must capture."""
     steps, warmup = 300, 50
-    for i in range(steps):
-        if i == warmup:
-            rss_at_warmup = _rss()
+    with torch._dynamo.config.patch(recompile_limit=steps + 1):
+        for i in range(steps):
+            if i == warmup:
+                rss_at_warmup = _rss()
 
-        def step():
-            x = torch.linspace(-1.0, 1.0, 16, requires_grad=True)
-            ext.config_opaque(x * 2, i % 2 == 0, f"mode-{i}", [1, i], 0.5, 1.5).sum().backward()
-            return (x.grad,)
+            def step():
+                x = torch.linspace(-1.0, 1.0, 16, requires_grad=True)
+                ext.config_opaque(x * 2, i % 2 == 0, f"mode-{i}", [1, i], 0.5, 1.5).sum().backward()
+                return (x.grad,)
 
-        with ca_dynsaved.enable(backend="aot_eager"):
-            got = step()
-        assert_grads_equal(got, step())
+            with ca_dynsaved.enable(backend="aot_eager"):
+                got = step()
+            assert_grads_equal(got, step())
     growth = _rss() - rss_at_warmup
     assert counts() == Counts(captures=steps, compiles=0, graph_breaks=0)
     assert torch._dynamo.utils.counters["ca_dynsaved"]["first_eager_runs"] == steps

@@ -19,7 +19,7 @@ from . import _compat  # noqa: F401  (version check first)
 
 import torch  # noqa: E402
 
-from . import cpptrace, opaque, probe, reuse, selfcheck, sentinel  # noqa: E402
+from . import cpptrace, opaque, payoff, probe, reuse, selfcheck, sentinel  # noqa: E402
 from ._install import (  # noqa: E402
     CONFIG_FLAG,
     CONFIG_PYTHON_POLICY,
@@ -64,6 +64,7 @@ def reset() -> None:
     torch._dynamo.reset()
     _compat.clear_dynamic_scalars()
     opaque.clear()
+    payoff.clear()
     probe.clear()
     cpptrace.clear()
     sentinel.clear()

@@ -258,15 +258,20 @@ def without_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-# --- Final callbacks (Variable._execution_engine.queue_callback) ------------------------
-class _CollectingEngine(torch._C._ImperativeEngine):  # type: ignore[misc]
-    """The autograd engine, except that ``queue_callback`` called on a thread that
-    runs a compiled backward appends to that run's list. Why: the C++ engine puts
-    such a callback on the graph task of the ``backward()`` that CA took over, and
-    CA returns from that task without its post-processing, so the callback is
-    dropped (FSDP2's post-backward: reduce-scatter and reshard). A subclass, so
-    that Dynamo, tracing a CA graph, still sees the engine (ID_MATCH on this one
-    instance) and keeps its own traced handling of ``queue_callback``."""
+# --- The autograd engine (Variable._execution_engine) ---------------------------------
+class _PluginEngine(torch._C._ImperativeEngine):  # type: ignore[misc]
+    """The autograd engine, with two additions on a thread that asked for them:
+
+    * ``queue_callback`` while a compiled backward runs appends to that run's list.
+      Why: the C++ engine puts such a callback on the graph task of the
+      ``backward()`` that CA took over, and CA returns from that task without its
+      post-processing, so the callback is dropped (FSDP2's post-backward:
+      reduce-scatter and reshard).
+    * ``run_backward`` (every ``backward()`` / ``autograd.grad``) goes through the
+      gate of an open plugin context, which may run it without CA (``payoff.py``).
+
+    A subclass, so that Dynamo, tracing a CA graph, still sees the engine
+    (ID_MATCH on this one instance) and keeps its own traced ``queue_callback``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -278,6 +283,15 @@ class _CollectingEngine(torch._C._ImperativeEngine):  # type: ignore[misc]
             frames = self._local.frames = []
         return frames
 
+    def _gates(self) -> list[Callable[..., Any]]:
+        gates = getattr(self._local, "gates", None)
+        if gates is None:
+            gates = self._local.gates = []
+        return gates
+
+    # Called with Dynamo's frame callback on (Dynamo's config path): never a frame
+    # for Dynamo to compile.
+    @without_dynamo
     def queue_callback(self, callback: Callable[[], None]) -> None:
         frames = self._frames()
         if frames and frames[-1] is not None:
@@ -285,47 +299,79 @@ class _CollectingEngine(torch._C._ImperativeEngine):  # type: ignore[misc]
         else:
             super().queue_callback(callback)
 
+    @without_dynamo
     def run_backward(self, *args: Any, **kwargs: Any) -> Any:
         # A backward started inside the compiled one (a checkpoint's recompute, a
         # torch.autograd.grad in a hook) has its own graph task: its callbacks are
-        # the engine's, run when it ends, as in eager.
+        # the engine's, run when it ends, as in eager; no gate decides about it.
         frames = self._frames()
+        gates = self._gates()
+        outermost = not frames
         frames.append(None)
         try:
+            if outermost and gates:
+                return gates[-1](super().run_backward, args, kwargs)
             return super().run_backward(*args, **kwargs)
         finally:
             frames.pop()
 
 
 _ORIGINAL_ENGINE = torch.autograd.variable.Variable._execution_engine
-_COLLECTING_ENGINE = _CollectingEngine()
-_collecting_lock = threading.Lock()
-_collecting_runs = 0  # compiled backwards running, all threads: the swap is in while > 0
+_PLUGIN_ENGINE = _PluginEngine()
+_engine_lock = threading.Lock()
+_engine_users = 0  # open blocks below, all threads: the plugin's engine is in while > 0
+
+
+@contextlib.contextmanager
+def _plugin_engine() -> Iterator[_PluginEngine]:
+    """``torch.autograd.Variable._execution_engine`` (read by every caller at call
+    time) is the plugin's engine while any thread is in such a block, the original
+    again after the last one leaves."""
+    global _engine_users
+    variable = torch.autograd.variable.Variable
+    with _engine_lock:
+        if _engine_users == 0:
+            variable._execution_engine = _PLUGIN_ENGINE
+        _engine_users += 1
+    try:
+        yield _PLUGIN_ENGINE
+    finally:
+        with _engine_lock:
+            _engine_users -= 1
+            if _engine_users == 0:
+                variable._execution_engine = _ORIGINAL_ENGINE
 
 
 @contextlib.contextmanager
 def collecting_final_callbacks() -> Iterator[list[Callable[[], None]]]:
     """While the block runs, callbacks queued on this thread go to the yielded list
-    instead of the engine. ``torch.autograd.Variable._execution_engine`` (read by
-    every caller at call time) is the collecting engine while any thread is in
-    such a block, the original again after the last one leaves."""
-    global _collecting_runs
-    variable = torch.autograd.variable.Variable
-    with _collecting_lock:
-        if _collecting_runs == 0:
-            variable._execution_engine = _COLLECTING_ENGINE
-        _collecting_runs += 1
+    instead of the engine."""
     queued: list[Callable[[], None]] = []
-    frames = _COLLECTING_ENGINE._frames()
-    frames.append(queued)
-    try:
-        yield queued
-    finally:
-        frames.pop()
-        with _collecting_lock:
-            _collecting_runs -= 1
-            if _collecting_runs == 0:
-                variable._execution_engine = _ORIGINAL_ENGINE
+    with _plugin_engine() as engine:
+        frames = engine._frames()
+        frames.append(queued)
+        try:
+            yield queued
+        finally:
+            frames.pop()
+
+
+@contextlib.contextmanager
+def gating_backwards(gate: Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]) -> Iterator[None]:
+    """While the block runs, an outermost ``run_backward`` on this thread is
+    ``gate(run_backward, args, kwargs)``."""
+    with _plugin_engine() as engine:
+        gates = engine._gates()
+        gates.append(gate)
+        try:
+            yield
+        finally:
+            gates.pop()
+
+
+def capture_count() -> int:
+    """CA captures so far in this process (a backward that added one missed CA's cache)."""
+    return counters["compiled_autograd"]["captures"]
 
 
 # --- What a capture allocates ----------------------------------------------------------

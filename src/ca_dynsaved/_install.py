@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _compat, pyctx
+from . import _compat, payoff, pyctx
 from .compiler import DynSavedCompilerInstance
 
 #: Name of the config flag registered on ``torch._dynamo.config``.
@@ -165,6 +165,7 @@ def ca_context(
                     )
                     with _instance_class(factory):  # type: ignore[arg-type]
                         stack.enter_context(cm)
+                    stack.enter_context(_compat.gating_backwards(payoff.gate))
                 else:
                     stack.enter_context(cm)
                 yield

@@ -162,10 +162,34 @@ class CaptureRecord:
 
 
 @dataclass
+class UncapturedRecord:
+    """A graph structure the plugin runs without compiled autograd (``payoff.py``)."""
+
+    captures: int  # in a row, when it was decided
+    nodes: tuple[str, ...]  # its custom-function nodes, as in its newest capture
+    changed: dict[str, int]  # "function.key" of hashed saved values -> distinct values seen by then
+    backwards: int = 0  # run without CA since
+    tries: int = 0  # backwards tried under CA again that captured again
+    returned: bool = False  # a try hit CA's cache: it runs under CA again
+
+    @property
+    def reason(self) -> str:
+        changed = ", ".join(f"{k} ({n} values)" for k, n in self.changed.items()) or "no custom-function value"
+        state = "back under compiled autograd (a try hit its cache)" if self.returned else (
+            f"{self.backwards} backwards run as plain autograd, {self.tries} tries under compiled autograd captured again"
+        )
+        return (
+            f"captured {self.captures} backwards in a row (the saved values compiled autograd hashes "
+            f"changed: {changed}), so no capture could pay off; {state}"
+        )
+
+
+@dataclass
 class Report:
     captures: deque[CaptureRecord] = field(default_factory=lambda: deque(maxlen=MAX_CAPTURES))
     functions: dict[str, FunctionReport] = field(default_factory=dict)
     dropped_captures: int = 0  # older captures than those kept
+    uncaptured: list[UncapturedRecord] = field(default_factory=list)
 
     @property
     def nodes(self) -> list[NodeRecord]:
@@ -188,6 +212,7 @@ class Report:
                 for c in self.captures
             ],
             "dropped_captures": self.dropped_captures,
+            "uncaptured": [asdict(u) | {"reason": u.reason} for u in self.uncaptured],
         }
 
     def to_json(self) -> str:
@@ -372,10 +397,30 @@ def report() -> Report:
     return _REPORT
 
 
+def uncaptured(captures: int) -> UncapturedRecord:
+    """A structure just sent to plain autograd after ``captures`` captures in a row
+    (the newest captures): what its nodes are and which hashed values changed."""
+    newest = list(_REPORT.captures)[-captures:]
+    nodes = newest[-1].nodes if newest else []
+    changed: dict[str, int] = {}
+    for node in nodes:
+        function = _REPORT.functions.get(node.name)
+        for key, kind in zip(node.keys, node.kinds):
+            entry = function.keys.get(key) if function is not None else None
+            if entry is not None and entry.handling != DYNAMIC and kind not in ("int", "float"):
+                distinct = len(entry.values) + entry.more_values
+                if distinct > 1:
+                    changed[f"{node.name}.{key}"] = distinct
+    record = UncapturedRecord(captures, tuple(n.name for n in nodes), changed)
+    _REPORT.uncaptured.append(record)
+    return record
+
+
 def reset_report() -> None:
     _REPORT.dropped_captures = 0
     _REPORT.captures.clear()
     _REPORT.functions.clear()
+    _REPORT.uncaptured.clear()
 
 
 def format_table(rep: Report) -> str:
@@ -397,6 +442,8 @@ def format_table(rep: Report) -> str:
     for capture in rep.captures:
         for name, values, reason in capture.refused:
             notes.append(f"{name}: verify ran it opaque for saved {values}: {reason}")
+    for record in rep.uncaptured:
+        notes.append(f"backward of {', '.join(dict.fromkeys(record.nodes)) or 'a graph'}: {record.reason}")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
     lines.insert(1, "-" * len(lines[0]))
