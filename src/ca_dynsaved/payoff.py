@@ -42,6 +42,7 @@ def misses_allowed() -> int:
     """Consecutive captures of one structure before it runs without CA."""
     return int(torch._dynamo.config.recompile_limit)
 
+
 #: A structure run without CA tries CA again after this many backwards, doubling up
 #: to MAX_RETRY while the try still captures.
 FIRST_RETRY = 64
