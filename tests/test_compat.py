@@ -107,17 +107,22 @@ def test_import_succeeds_on_this_torch():
 _NIGHTLY = "torch.__version__ = '2.16.0.dev20261130'"
 
 # Scalars stuck at the first run's values: what a torch whose CA passed lifted values
-# some other way would do to the plugin (a wrong gradient from step 1 on).
+# some other way would do to the plugin (a wrong gradient from step 1 on). Frozen
+# where CA hands them to the plugin: around the runtime wrapper its capture class
+# returns (any subclass of the stock class, the plugin's included).
 _FROZEN_SCALARS = """
-orig = ca.AutogradCompilerInstance.end_capture
-def end_capture(self, outputs):
-    wrapper, fn = orig(self, outputs)
-    first = []
-    def frozen(compiled_fn, inputs, sizes, scalars, hooks, packed):
-        first.append(list(scalars)) if not first else None
-        return wrapper(compiled_fn, inputs, sizes, first[0], hooks, packed)
-    return frozen, fn
-ca.AutogradCompilerInstance.end_capture = end_capture
+def _frozen_scalars(end_capture):
+    def wrapped(self, outputs):
+        wrapper, fn = end_capture(self, outputs)
+        first = []
+        def frozen(compiled_fn, inputs, sizes, scalars, hooks, packed):
+            first.append(list(scalars)) if not first else None
+            return wrapper(compiled_fn, inputs, sizes, first[0], hooks, packed)
+        return frozen, fn
+    return wrapped
+def _init_subclass(cls, **kwargs):
+    cls.end_capture = _frozen_scalars(cls.end_capture)
+ca.AutogradCompilerInstance.__init_subclass__ = classmethod(_init_subclass)
 """
 
 _STATE_AFTER_IMPORT = """

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import inspect
 import os
 import re
+import textwrap
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -372,6 +374,69 @@ def gating_backwards(gate: Callable[[Callable[..., Any], tuple[Any, ...], dict[s
 def capture_count() -> int:
     """CA captures so far in this process (a backward that added one missed CA's cache)."""
     return counters["compiled_autograd"]["captures"]
+
+
+# --- CA's runtime wrapper of a graph -------------------------------------------------
+#: sha1 of the source of stock CA's per-graph ``runtime_wrapper`` (a closure of
+#: ``end_capture``), the same in every tested release: ``sizes_made_once`` stands in
+#: for it only where it is that code.
+_STOCK_RUNTIME_WRAPPER_SHA1 = "175bba2e81b9e24394729b7a51bd51b2963e9a17"
+_STOCK_RUNTIME_WRAPPER_FREEVARS = ("runtime_inputs_to_move", "self", "used_sizes_idx")
+
+
+@functools.cache
+def _is_stock_runtime_wrapper(code: Any) -> bool:
+    try:
+        source = textwrap.dedent(inspect.getsource(code))
+    except (OSError, TypeError):
+        return False
+    return (
+        hashlib.sha1(source.encode()).hexdigest() == _STOCK_RUNTIME_WRAPPER_SHA1
+        and code.co_freevars == _STOCK_RUNTIME_WRAPPER_FREEVARS
+    )
+
+
+def sizes_made_once(runtime_wrapper: Callable[..., Any]) -> Callable[..., Any]:
+    """Stock CA's runtime wrapper of one graph, except that the tensor standing for
+    each used size (``torch.empty(0, n)``, marked dynamic) is made again only when
+    that size changes. Why: stock makes one and calls ``maybe_mark_dynamic`` (a
+    disabled function: two frame-callback swaps) for every used size on every
+    run, about 2 us a size on this machine, 42 sizes in a 20-node chain, while a
+    training loop's sizes rarely change. Each size keeps an object of its own, so
+    Dynamo sees no new aliasing between them. Returns ``runtime_wrapper`` itself
+    where its code is not the one this copies (another torch), and defers to it for
+    what this leaves out (CA's NaN checker, inputs it moves to the GPU)."""
+    code = runtime_wrapper.__code__
+    if not _is_stock_runtime_wrapper(code):
+        return runtime_wrapper
+    cells = dict(zip(code.co_freevars, runtime_wrapper.__closure__ or ()))
+    instance, to_move = cells["self"].cell_contents, cells["runtime_inputs_to_move"].cell_contents
+    used = sorted(cells["used_sizes_idx"].cell_contents)
+    made: dict[int, tuple[int, torch.Tensor]] = {}  # used size index -> (size, its tensor)
+
+    @without_dynamo
+    def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
+        if instance.nan_checker or to_move:
+            return runtime_wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
+        filtered: list[Any] = []
+        for idx in used:
+            integer = sizes[idx]
+            if integer > 0:  # (stock: "can't create negative size")
+                found = made.get(idx)
+                if found is None or found[0] != integer:
+                    found = made[idx] = (integer, torch.empty(0, integer))
+                    torch._dynamo.maybe_mark_dynamic(found[1], 1)
+                filtered.append(found[1])
+            else:
+                filtered.append(integer)
+        ca.in_compiled_autograd_region = True
+        try:
+            with ca._disable(), ca.make_compile_context(instance.id):
+                return compiled_fn(inputs, filtered, scalars, hooks, packed_inputs)
+        finally:
+            ca.in_compiled_autograd_region = False
+
+    return wrapper
 
 
 # --- What a capture allocates ----------------------------------------------------------

@@ -119,6 +119,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         self._nodes: list[opaque.NodeCapture] = []  # per opaque op, in slot order
         self._dynamic_sources: list[str] = []  # numbers of traced nodes, as Dynamo names them
         self._traced_floats = False  # a traced C++ node reads a lifted float
+        self._opaque_reads_scalars = False  # an opaque C++ node has a lifted number
         # Opted-in traced C++ nodes: (graph nodes their trace recorded, saved key ->
         # kind, saved key -> its symbol), rewritten in create_graph_module.
         self._optin: list[tuple[list[torch.fx.Node], dict[str, str], dict[str, Any]]] = []
@@ -366,7 +367,9 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         grads = self.to_proxy(pending.grads)
         if pending.call is not None:
             self._report_cpp(pending.name, report.OPAQUE, pending.reason, pending.call)
-            op_args = (grads, tensors, *self._packed_scalar_proxies(), symints, key, slot)
+            # Its lifted numbers reach the op through the run (opaque.bound_run).
+            self._opaque_reads_scalars |= any(kind in (opaque.INT, opaque.FLOAT) for kind, _ in specs)
+            op_args = (grads, tensors, symints, key, slot)
             op = opaque.CPP_OP
         else:
             report.python_node(self._capture, pending.name, pyctx.OPAQUE, pending.reason, pending.ctx, pending.hook)
@@ -471,7 +474,7 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
     @_disable
     def end_capture(self, outputs):  # type: ignore[no-untyped-def,override]
         runtime_wrapper, compiled_fn = super().end_capture(outputs)
-        runtime_wrapper = runtime.running_final_callbacks(runtime_wrapper, self._capture)
+        runtime_wrapper = runtime.running_final_callbacks(_compat.sizes_made_once(runtime_wrapper), self._capture)
         if log.isEnabledFor(logging.INFO):
             for node in self._capture.nodes:
                 what = f"{node.handling} ({node.reason})" if node.reason else node.handling
@@ -482,9 +485,11 @@ class DynSavedCompilerInstance(_compat.StockCompilerInstance):
         _compat.mark_dynamic_scalars(self._graph_module.forward.__code__, self._dynamic_sources)
         if not self._nodes and not self._capture.observes and not self._checks:
             return runtime_wrapper, compiled_fn
-        kinds = self._scalar_kinds if self._packed_proxies is not None else None
+        packer = None
+        if self._packed_proxies is not None or self._opaque_reads_scalars:
+            packer = runtime.Packer(self._scalar_kinds, tensors=self._packed_proxies is not None)
         wrapper = runtime.make_runtime_wrapper(
-            runtime_wrapper, self._graph_module, kinds, self._nodes, self._capture,
+            runtime_wrapper, self._graph_module, packer, self._nodes, self._capture,
             self.compiler_fn, tuple(self._dynamic_sources), tuple(self._checks),
         )
         return wrapper, compiled_fn

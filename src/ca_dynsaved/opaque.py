@@ -178,19 +178,31 @@ class _Run:
     hooks: Sequence[Any]  # CA's hooks of this run: the Python ctx objects
     nodes: Sequence[NodeCapture]  # the capture's nodes, by slot
     autocast: _compat.AutocastState | None  # the caller's autocast state
+    # this run's lifted ints and doubles (runtime.Packer), which the C++ ops'
+    # INT / FLOAT leaves index
+    ints: Sequence[int] = ()
+    floats: Sequence[float] = ()
 
 
-@contextlib.contextmanager
-def bound_run(hooks: Sequence[Any], nodes: Sequence[NodeCapture]) -> Iterator[None]:
+class bound_run:
     """Make this run's CA ``hooks`` (holding the Python ctx objects), the capture's
-    nodes and the caller's autocast state visible to the ops: a custom op takes no
-    Python objects, and runs where autocast may have been switched off (below)."""
-    prior = getattr(_local, "run", None)
-    _local.run = _Run(hooks, nodes, _compat.autocast_state())
-    try:
-        yield
-    finally:
-        _local.run = prior
+    nodes, its lifted numbers and the caller's autocast state visible to the ops: a
+    custom op takes no Python objects, and runs where autocast may have been switched
+    off (below). A class, not a generator: it is entered on every backward."""
+
+    __slots__ = ("_run", "_prior")
+
+    def __init__(
+        self, hooks: Sequence[Any], nodes: Sequence[NodeCapture], ints: Sequence[int] = (), floats: Sequence[float] = ()
+    ) -> None:
+        self._run = _Run(hooks, nodes, _compat.autocast_state(), ints, floats)
+
+    def __enter__(self) -> None:
+        self._prior = getattr(_local, "run", None)
+        _local.run = self._run
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.run = self._prior
 
 
 def _bound(spec: NodeSpec) -> _Run:
@@ -260,23 +272,30 @@ class UndefinedGradError(RuntimeError):
 
 
 @_compat.without_dynamo
-def run_cpp(grads, tensors, ints, floats, symints, key, slot):  # type: ignore[no-untyped-def]
+def run_cpp(grads, tensors, symints, key, slot):  # type: ignore[no-untyped-def]
     # Excluded from Dynamo: this runs inside backward, which may run inside a
     # compiled frame, and a traced copy would freeze the saved values it read.
+    # The lifted numbers come from the run (bound_run): Python numbers already, and
+    # no tensor arguments for the dispatcher to convert, once per node.
     start = time.perf_counter() if _TIMING else 0.0
     spec, learned = _parse_key(key)
     run = _bound(spec)
     node = run.nodes[slot]
-    int_values, float_values = ints.tolist(), floats.tolist()
-    args, out_meta = _rebuild(spec, tensors, int_values, float_values, symints, node.captured)
-    outs, backward = _call_backward(run, node.fn, list(grads), *args)  # type: ignore[arg-type]
-    result = _finish(
-        spec, node, learned, outs, out_meta, grads, tensors,
-        lambda: f"saved ints {int_values}, floats {float_values}, hashed {node.captured}",
-    )
+    args, out_meta = spec.build(tensors, run.ints, run.floats, symints, node.captured)  # type: ignore[attr-defined]
+    if run.autocast is None and not _TIMING:  # the common path: no extra frame
+        outs, backward = node.fn(list(grads), *args), 0.0  # type: ignore[misc]
+    else:
+        outs, backward = _call_backward(run, node.fn, list(grads), *args)  # type: ignore[arg-type]
+    result = _finish(spec, node, learned, outs, out_meta, grads, tensors, lambda: _describe_cpp(args))
     if _TIMING:
         _timed(start, backward)
     return result
+
+
+def _describe_cpp(args: Sequence[Any]) -> str:
+    """A C++ call's saved values, for an error message."""
+    call = _compat.CppCall.parse(args)
+    return f"saved {dict(zip(call.keys, call.values))}"
 
 
 @_compat.without_dynamo
@@ -339,10 +358,20 @@ def _finish(spec, node, learned, outs, out_meta, grads, tensors, describe_saved)
         # A custom op may not return an alias of an input (a view, a detach, the
         # tensor itself): a backward that returns its incoming grad on a run
         # other than the first, or a saved tensor, costs a copy.
-        if any(t is not None and _compat.is_alias_of(out, t) for t in (*grads, *tensors)):
+        if _aliases(out, grads) or _aliases(out, tensors):
             out = out.clone()
         result.append(out)
     return result
+
+
+def _aliases(out: torch.Tensor, tensors: Sequence[torch.Tensor | None]) -> bool:
+    for t in tensors:
+        if t is not None and _is_alias_of(out, t):
+            return True
+    return False
+
+
+_is_alias_of = _compat.is_alias_of
 
 
 def _passthrough_message(spec, i, j, saved_desc) -> str:  # type: ignore[no-untyped-def]
@@ -383,16 +412,15 @@ def _undefined_message(spec, expected, got, saved_desc) -> str:  # type: ignore[
 # per backward, and custom_op's autograd and dispatch wrappers cost ~60 us a call.
 # Gradients never flow through them (create_graph runs call the runners directly).
 #
-# Tagged cudagraph_unsafe: their Python reads this run's saved values (the packed
-# scalars, the ctx in CA's hooks, the bound capture data). A CUDA graph records the
+# Tagged cudagraph_unsafe: their Python reads this run's saved values (the lifted
+# numbers, the ctx in CA's hooks, the bound capture data). A CUDA graph records the
 # kernels an op launches once and then only replays them, so a recorded op would
 # replay the first step's values forever. With the tag, inductor's graph partitioning
 # runs each op between CUDA-graphed partitions (and without partitioning, skips CUDA
 # graphs for the graph) - see _compat.CUDAGRAPH_UNSAFE.
 _lib = torch.library.Library("ca_dynsaved", "DEF")
 _lib.define(
-    "cpp_function(Tensor?[] grads, Tensor?[] tensors, Tensor ints, Tensor floats, "
-    "SymInt[] symints, str key, int slot) -> Tensor?[]",
+    "cpp_function(Tensor?[] grads, Tensor?[] tensors, SymInt[] symints, str key, int slot) -> Tensor?[]",
     tags=(_compat.CUDAGRAPH_UNSAFE,),
 )
 _lib.define(
@@ -425,7 +453,7 @@ def _fake_outputs(key: str, tensors, symints) -> list[torch.Tensor | None]:  # t
 
 
 @torch.library.register_fake("ca_dynsaved::cpp_function", lib=_lib)
-def _(grads, tensors, ints, floats, symints, key, slot):  # type: ignore[no-untyped-def]
+def _(grads, tensors, symints, key, slot):  # type: ignore[no-untyped-def]
     return _fake_outputs(key, tensors, symints)
 
 
@@ -445,4 +473,4 @@ for _op in (CPP_OP, PY_OP):
 #: Direct (differentiable) runners, used when a graph runs with create_graph=True.
 RUNNERS = {CPP_OP: run_cpp, PY_OP: run_python}
 #: Position of the ``key`` argument of each op.
-KEY_ARG = {CPP_OP: 5, PY_OP: 3}
+KEY_ARG = {CPP_OP: 3, PY_OP: 3}

@@ -14,7 +14,7 @@ import re
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -62,6 +62,17 @@ class KeyReport:
         # A traced Python number the probe let through and Dynamo guarded after all.
         missed = self.handling == DYNAMIC and self.kind == "Python" and self.recompiles > 0
         return 1 + self.recompiles if guarded or missed else 0
+
+    def see_all(self, values: Sequence[Any]) -> None:
+        """``see`` each of ``values``, in order, each distinct (type, value) once."""
+        try:
+            distinct = dict.fromkeys(zip(map(type, values), values))  # ordered, in C
+        except TypeError:  # an unhashable value
+            for value in values:
+                self.see(value)
+            return
+        for _, value in distinct:
+            self.see(value)
 
     def see(self, value: Any) -> None:
         key = _seen_key(value)
@@ -143,18 +154,50 @@ class CaptureRecord:
     # Callbacks queued during its runs (queue_callback) that the plugin ran after
     # the graph; stock CA drops them (runtime.running_final_callbacks).
     final_callbacks: int = 0
+    # runs observed and not yet seen by the report's keys (observe / _flush), and
+    # the (hook index, ctx attribute) of each of their hook values
+    _rows: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = field(default_factory=list, repr=False)
+    _layout: list[tuple[int, str]] = field(default_factory=list, repr=False)
 
     def refuse(self, name: str, values: dict[str, Any], reason: str) -> None:
         self.refused.append((name, values, reason))
 
     def observe(self, scalars: Any, hooks: Any) -> None:
-        """Note the values this run carries (called by the runtime wrapper)."""
+        """Note the values this run carries (called by the runtime wrapper, on every
+        backward): kept as a row and seen in batches (``_flush``), where a dict per
+        key dedupes in C what ``KeyReport.see`` would do per value in Python. A row
+        keeps plain values only: any other ctx attribute (which may hold tensors)
+        is seen at once rather than kept alive for later steps."""
+        if not self._rows:
+            self._layout = [(index, name) for index, function in self.hooks.items() for name in function.keys]
+            _PENDING[id(self)] = self
+        values = [getattr(hooks[index], name, None) for index, name in self._layout]
+        if not _KEPT.issuperset(map(type, values)):
+            for n, value in enumerate(values):
+                if type(value) not in _KEPT:
+                    index, name = self._layout[n]
+                    key = self.hooks[index].keys.get(name)
+                    if key is not None:
+                        key.see(value)
+                    values[n] = _SEEN
+        self._rows.append((tuple(scalars), tuple(values)))
+        if len(self._rows) >= _BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        rows, self._rows = self._rows, []
+        _PENDING.pop(id(self), None)
+        if not rows:
+            return
+        scalar_rows, hook_rows = zip(*rows)
+        columns = list(zip(*scalar_rows))  # transposed in C
         for index, key in self.scalars.items():
-            key.see(scalars[index])
-        for index, function in self.hooks.items():
-            ctx = hooks[index]
-            for name, key in function.keys.items():
-                key.see(getattr(ctx, name, None))
+            key.see_all(columns[index])
+        columns = list(zip(*hook_rows))
+        for n, (index, name) in enumerate(self._layout):
+            key = self.hooks[index].keys.get(name)
+            if key is not None:
+                key.see_all([v for v in columns[n] if v is not _SEEN])
 
     @property
     def observes(self) -> bool:
@@ -229,6 +272,18 @@ def _key_dict(key: KeyReport) -> dict[str, Any]:
 
 
 _REPORT = Report()
+#: Records holding observed runs not yet seen (CaptureRecord.observe), flushed in
+#: batches of _BATCH runs and before anything reads the report.
+_PENDING: dict[int, CaptureRecord] = {}
+_BATCH = 64
+#: Types of the values a row keeps (CaptureRecord.observe).
+_KEPT = frozenset({int, float, bool, str, type(None)})
+_SEEN = object()  # in a row: a value observe() saw at once
+
+
+def _flush_pending() -> None:
+    for record in list(_PENDING.values()):
+        record._flush()
 
 
 # --- what the capture hooks call -------------------------------------------------------
@@ -393,6 +448,7 @@ def _attribute_recompiles(rep: Report) -> None:
 def report() -> Report:
     """Every custom function the plugin has seen since the last reset, with its
     saved keys / ctx attributes, their values, handling, reason and fix."""
+    _flush_pending()
     _attribute_recompiles(_REPORT)
     return _REPORT
 
@@ -400,6 +456,7 @@ def report() -> Report:
 def uncaptured(captures: int) -> UncapturedRecord:
     """A structure just sent to plain autograd after ``captures`` captures in a row
     (the newest captures): what its nodes are and which hashed values changed."""
+    _flush_pending()
     newest = list(_REPORT.captures)[-captures:]
     nodes = newest[-1].nodes if newest else []
     changed: dict[str, int] = {}
@@ -417,6 +474,7 @@ def uncaptured(captures: int) -> UncapturedRecord:
 
 
 def reset_report() -> None:
+    _PENDING.clear()
     _REPORT.dropped_captures = 0
     _REPORT.captures.clear()
     _REPORT.functions.clear()

@@ -2,9 +2,10 @@
 
 * Scalars: CA passes the lifted ``saved_data`` ints and doubles as a list of Python
   numbers (the ``scalars`` placeholder). Dynamo guards on a Python number it reads,
-  so the opaque ops never read them: the wrapper appends two tensors (all lifted
-  ints as int64, all lifted doubles as float64) that the ops read. Dynamo then
-  guards only on their metadata, which is fixed for a CA graph.
+  so the graph never hands them to an op: the opaque ops read them from the run
+  (``Packer`` splits them once per run), and where a traced node reads them the
+  wrapper appends two tensors (all lifted ints as int64, all lifted doubles as
+  float64), whose metadata, fixed for a CA graph, is all Dynamo guards.
 * Bound data: CA's ``hooks`` (where the Python ctx objects are) and the capture's
   ``NodeCapture``s (hashed values, C++ functionals), for the ops to read.
 * Which code: whether a backward leaves a gradient undefined cannot be seen at
@@ -44,25 +45,53 @@ from .report import CaptureRecord
 log = logging.getLogger("ca_dynsaved")
 
 
-def pack(values: Sequence[Any], kinds: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split lifted scalar ``values`` by capture-time kind into int64 and float64 tensors."""
-    ints = array.array("q")
-    floats = array.array("d")
-    for value, kind in zip(values, kinds):
-        # An int64 slot would silently truncate a float.
-        if type(value) is not (int if kind is opaque.INT else float):
-            raise TypeError(
-                f"ca_dynsaved: lifted saved value {value!r} was a {kind} at capture"
+class Packer:
+    """A graph's lifted scalars (CA's list, by capture-time ``kinds``) split into its
+    ints and its doubles, for the opaque C++ ops (``opaque.bound_run``), and, with
+    ``tensors`` (a traced node reads them), packed into one int64 and one float64
+    tensor appended to the graph's scalars. Built once per graph: each run picks by
+    precomputed indices and checks the types, both in C (itemgetter, issuperset)."""
+
+    def __init__(self, kinds: Sequence[str], tensors: bool) -> None:
+        self.kinds = tuple(kinds)
+        self.tensors = tensors
+        self._ints = _picker([i for i, kind in enumerate(self.kinds) if kind is opaque.INT])
+        self._floats = _picker([i for i, kind in enumerate(self.kinds) if kind is not opaque.INT])
+
+    def __call__(self, values: list[Any]) -> tuple[Sequence[int], Sequence[float], list[Any]]:
+        """(the ints, the doubles, the graph's scalars: ``values``, then the packed
+        tensors if any)."""
+        if len(values) != len(self.kinds):
+            raise RuntimeError(
+                f"ca_dynsaved: CA graph captured with {len(self.kinds)} lifted scalars, called with {len(values)}"
             )
-        (ints if kind is opaque.INT else floats).append(value)
-    # frombuffer over an array (the tensor keeps it alive) is 4x cheaper than
-    # torch.tensor(list); it refuses an empty buffer.
-    return (
-        torch.frombuffer(ints, dtype=torch.int64) if ints else _EMPTY_INTS,
-        torch.frombuffer(floats, dtype=torch.float64) if floats else _EMPTY_FLOATS,
-    )
+        ints, floats = self._ints(values), self._floats(values)
+        # An int64 slot would silently truncate a float (and a bool is no int here).
+        if not (_ONLY_INT.issuperset(map(type, ints)) and _ONLY_FLOAT.issuperset(map(type, floats))):
+            for value, kind in zip(values, self.kinds):
+                if type(value) is not (int if kind is opaque.INT else float):
+                    raise TypeError(f"ca_dynsaved: lifted saved value {value!r} was a {kind} at capture")
+        if not self.tensors:
+            return ints, floats, values
+        # frombuffer over an array (the tensor keeps it alive) is 4x cheaper than
+        # torch.tensor(list); it refuses an empty buffer.
+        return ints, floats, [
+            *values,
+            torch.frombuffer(array.array("q", ints), dtype=torch.int64) if ints else _EMPTY_INTS,
+            torch.frombuffer(array.array("d", floats), dtype=torch.float64) if floats else _EMPTY_FLOATS,
+        ]
 
 
+def _picker(indices: Sequence[int]) -> Callable[[Sequence[Any]], Sequence[Any]]:
+    if not indices:
+        return lambda values: ()
+    if len(indices) == 1:
+        (index,) = indices
+        return lambda values: (values[index],)
+    return operator.itemgetter(*indices)
+
+
+_ONLY_INT, _ONLY_FLOAT = frozenset({int}), frozenset({float})
 _EMPTY_INTS = torch.empty(0, dtype=torch.int64)
 _EMPTY_FLOATS = torch.empty(0, dtype=torch.float64)
 
@@ -177,7 +206,7 @@ def running_final_callbacks(runtime_wrapper: Callable[..., Any], record: Capture
     Dynamo's (run by the graph's ``exec_final_callbacks``). A backward that raises
     runs none, as in eager. ``record.final_callbacks`` counts those run."""
 
-    @torch.compiler.disable
+    @_compat.without_dynamo
     def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
         with _compat.collecting_final_callbacks() as queued:
             out = runtime_wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
@@ -194,7 +223,7 @@ def running_final_callbacks(runtime_wrapper: Callable[..., Any], record: Capture
 def make_runtime_wrapper(
     runtime_wrapper: Callable[..., Any],
     graph_module: torch.fx.GraphModule,
-    kinds: Sequence[str] | None,
+    packer: Packer | None,
     nodes: list[opaque.NodeCapture],
     record: CaptureRecord,
     compiler_fn: Callable[..., Any],
@@ -202,25 +231,21 @@ def make_runtime_wrapper(
     checks: Sequence[Check] = (),
 ) -> Callable[..., Any]:
     """Wrap CA's runtime wrapper for a captured graph with opaque ops for ``nodes``;
-    ``kinds`` (one per lifted scalar) when C++ opaque ops read packed scalars;
+    ``packer`` when C++ opaque ops or traced nodes read the lifted scalars;
     ``dynamic_sources``: the scalars Dynamo must treat as dynamic (traced Python
     ctx numbers), re-marked when the graph's code is regenerated; ``checks``: the
     verify checks of opted-in traced nodes."""
-    kinds = None if kinds is None else tuple(kinds)
     compiled: list[Callable[..., Any]] = []  # set once every node has run
     fallbacks: dict[tuple[int, ...], torch.fx.GraphModule] = {}  # by refused checks
 
-    @torch.compiler.disable
+    @_compat.without_dynamo
     def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
         start = time.perf_counter() if opaque._TIMING else 0.0
         record.observe(scalars, hooks)
-        if kinds is not None:
-            if len(scalars) != len(kinds):
-                raise RuntimeError(
-                    f"ca_dynsaved: CA graph captured with {len(kinds)} lifted scalars, "
-                    f"called with {len(scalars)}"
-                )
-            scalars = [*scalars, *pack(scalars, kinds)]
+        ints: Sequence[int] = ()
+        floats: Sequence[float] = ()
+        if packer is not None:
+            ints, floats, scalars = packer(scalars)
         if checks:
             reasons = {i: reason for i, check in enumerate(checks) if (reason := check.refusal(scalars))}
             if reasons:
@@ -232,7 +257,7 @@ def make_runtime_wrapper(
                 if gm is None:
                     gm = fallbacks[refused] = fallback_graph(graph_module, [checks[i].fallback for i in refused])
                 runner = _Differentiable(gm).run_to_list if torch.is_grad_enabled() else gm
-                with opaque.bound_run(hooks, nodes):
+                with opaque.bound_run(hooks, nodes, ints, floats):
                     return runtime_wrapper(runner, inputs, sizes, scalars, hooks, packed_inputs)
         if not nodes:  # nothing opaque: the graph as captured (traced C++ nodes may
             # read the packed floats)
@@ -253,7 +278,7 @@ def make_runtime_wrapper(
             fn = graph_module
         if opaque._TIMING:
             opaque._TIMING[-1]["wrapper"] += time.perf_counter() - start
-        with opaque.bound_run(hooks, nodes):
+        with opaque.bound_run(hooks, nodes, ints, floats):
             return runtime_wrapper(fn, inputs, sizes, scalars, hooks, packed_inputs)
 
     return wrapper
