@@ -123,11 +123,12 @@ struct DirectSchedAct : public SigmoidGate<DirectSchedAct> {
 at::Tensor direct_sched_act(at::Tensor x, double beta, int64_t gain) { return DirectSchedAct::apply(x, beta, gain); }
 
 // A nearly free backward with 4 lifted scalars, not traceable: under the plugin each
-// node runs opaque, so a chain of them times the plugin's own work per node. ALIAS:
-// the backward returns its incoming gradient as is.
-template <bool ALIAS>
-struct TinyFn : public Function<TinyFn<ALIAS>> {
-  static constexpr bool is_traceable = false;
+// node runs opaque, so a chain of them times what an opaque node costs. ALIAS: the
+// backward returns its incoming gradient as is. TRACEABLE: the twin stock CA traces
+// (and, with values that never change, fuses): what CA costs at best.
+template <bool ALIAS, bool TRACEABLE = false>
+struct TinyFn : public Function<TinyFn<ALIAS, TRACEABLE>> {
+  static constexpr bool is_traceable = TRACEABLE;
   static at::Tensor forward(AutogradContext* ctx, at::Tensor x, int64_t a, int64_t b, double s, double t) {
     ctx->saved_data["a"] = a;
     ctx->saved_data["b"] = b;
@@ -148,13 +149,22 @@ struct TinyFn : public Function<TinyFn<ALIAS>> {
 
 at::Tensor tiny(at::Tensor x, int64_t a, int64_t b, double s, double t) { return TinyFn<false>::apply(x, a, b, s, t); }
 at::Tensor tiny_alias(at::Tensor x, int64_t a, int64_t b, double s, double t) { return TinyFn<true>::apply(x, a, b, s, t); }
+at::Tensor tiny_traceable(at::Tensor x, int64_t a, int64_t b, double s, double t) {
+  return TinyFn<false, true>::apply(x, a, b, s, t);
+}
+at::Tensor tiny_alias_traceable(at::Tensor x, int64_t a, int64_t b, double s, double t) {
+  return TinyFn<true, true>::apply(x, a, b, s, t);
+}
 """
 
 
 def build_extension() -> ModuleType:
     os.makedirs(BUILD_DIR, exist_ok=True)
     return load_inline(
-        name="ca_dynsaved_bench_ext", cpp_sources=CPP_SOURCE, functions=["sched_act", "sym_sched_act", "direct_sched_act", "tiny", "tiny_alias"],
+        name="ca_dynsaved_bench_ext", cpp_sources=CPP_SOURCE, functions=[
+            "sched_act", "sym_sched_act", "direct_sched_act", "tiny", "tiny_alias", "tiny_traceable",
+            "tiny_alias_traceable",
+        ],
         build_directory=str(BUILD_DIR),
     )
 
@@ -233,17 +243,25 @@ class PyTiny(torch.autograd.Function):
         return g * (ctx.s + ctx.a), None, None
 
 
-#: Chain variants of the per-node overhead benchmark.
+#: Chain variants of the opaque-node benchmark.
 CHAIN_VARIANTS = ("cpp", "cpp_alias", "python")
 CHAIN_NODES, CHAIN_ELEMENTS = 20, 16
 
 
-def chain_loss(variant: str, ext: ModuleType, x: torch.Tensor, step: int, varying: bool) -> torch.Tensor:
-    """``CHAIN_NODES`` nearly free custom nodes in a row on ``CHAIN_ELEMENTS`` elements."""
-    k = step % 5 if varying else 1
+def chain_loss(variant: str, ext: ModuleType, x: torch.Tensor, step: int, varying: bool, traceable: bool = False) -> torch.Tensor:
+    """``CHAIN_NODES`` nearly free custom nodes in a row on ``CHAIN_ELEMENTS`` elements,
+    their 4 (C++) or 2 (Python) saved numbers new at every step when ``varying``;
+    ``traceable``: the C++ twin stock CA traces (a Python function it always does)."""
+    # New values at every step (cycling after 997), each node's factor close to 1 so
+    # that 20 of them in a row stay finite: C++ s + t + (a - b), Python s + a.
+    k = step % 997 if varying else 1
+    u = 1e-4 * k
+    fn = {"cpp": ext.tiny, "cpp_alias": ext.tiny_alias}.get(variant)
+    if traceable:
+        fn = {"cpp": ext.tiny_traceable, "cpp_alias": ext.tiny_alias_traceable}.get(variant)
     for _ in range(CHAIN_NODES):
         if variant == "python":
-            x = PyTiny.apply(x, k, 0.5 + k)
+            x = PyTiny.apply(x, k, 1.0 - k + u)
         else:
-            x = (ext.tiny_alias if variant == "cpp_alias" else ext.tiny)(x, k, 1, 0.5 + k, 0.25)
+            x = fn(x, k, k, 0.5 + u, 0.5 - u / 2)
     return x.sum()

@@ -81,21 +81,25 @@ def table(data: dict) -> str:
         c = chains[0]
         lines += [
             "",
-            f"Opaque overhead: chains of {c['short']} and {c['long']} custom nodes with a nearly free backward "
-            f"({c['elements']} elements; C++: 4 lifted scalars, not traceable; Python: run opaque with "
-            "python_policy=\"opaque\"; cpp_alias returns its incoming gradient as is). Per node: the slope "
-            "of the steady step between the two chains. Plugin-owned: time in the op outside the user's "
-            "backward call, the runtime wrapper's own work per node, and the op's dispatch (timed alone).",
+            f"Opaque nodes (test_opaque_overhead.py): whole training steps of a chain of {c['nodes']} custom "
+            f"nodes with a nearly free backward ({c['elements']} elements; C++: 4 lifted scalars, not "
+            "traceable; Python: run opaque with python_policy=\"opaque\"; cpp_alias returns its incoming "
+            "gradient as is), values new at every step for the plugin; stock_constant: stock CA on the "
+            "traceable twin with constant values (traced and fused: CA at its cheapest); the smallest of "
+            "interleaved passes' medians. Per node: (config - eager) / nodes. Explaining it (not part of "
+            "the figure): the plugin's time in the op outside the user's backward call, the runtime "
+            "wrapper's share, one dispatch of an op with this signature, the user's backward call.",
             "",
-            "| variant | eager µs/node | stock_constant µs/node | plugin µs/node | plugin - eager µs/node | "
-            "plugin-owned µs/node | of which in op / wrapper / dispatch | user backward call µs |",
+            "| variant | eager µs/step | stock_constant µs/step | plugin µs/step | plugin - eager µs/node | "
+            "stock_constant - eager µs/node | plugin / stock_constant | in op / wrapper / dispatch / backward call µs |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for r in chains:
             lines.append(
-                f"| {r['variant']} | {r['eager_per_node_us']:.1f} | {r['stock_constant_per_node_us']:.1f} | "
-                f"{r['plugin_varying_per_node_us']:.1f} | {r['per_node_vs_eager_us']:.1f} | {r['plugin_owned_us']:.1f} | "
-                f"{r['in_op_us']:.1f} / {r['wrapper_per_node_us']:.1f} / {r['dispatch_us']:.1f} | {r['backward_call_us']:.1f} |"
+                f"| {r['variant']} | {r['eager_us']:.0f} | {r['stock_constant_us']:.0f} | {r['plugin_varying_us']:.0f} | "
+                f"{r['per_node_vs_eager_us']:.1f} | {r['stock_constant_per_node_vs_eager_us']:.1f} | "
+                f"{r['plugin_vs_stock_constant']:.2f} | {r['in_op_us']:.1f} / {r['wrapper_per_node_us']:.1f} / "
+                f"{r['dispatch_us']:.1f} / {r['backward_call_us']:.1f} |"
             )
     for r in (r for r in data["results"] if r.get("model") == "varying_batch"):
         lines += [
@@ -118,6 +122,18 @@ def table(data: dict) -> str:
             f"a step; its first tries under CA add {r['plugin_first_tries_ms_per_step']:.2f} ms a step, "
             "then half as much after each."
         )
+    for r in (r for r in data["results"] if r.get("model") == "verify_cost"):
+        lines += [
+            "",
+            "verify's cost (test_verify_cost.py): whole steps of the elementwise model, cpp_direct opted in, "
+            f"values new at every step; the smallest of {r['passes']} interleaved passes' medians; "
+            "× stock_constant (stock CA, values constant).",
+            "",
+            "| config | steady µs/step | × stock_constant |",
+            "|---|---|---|",
+        ]
+        for config in ("stock_constant", "plugin_varying", "plugin_trust_varying"):
+            lines.append(f"| {config} | {r[config + '_us']:.0f} | {r[config + '_vs_stock_constant']:.2f} |")
     direct = {r["config"]: r for r in data["results"] if r.get("variant") == "cpp_direct" and r.get("model") == "elementwise"}
     if "plugin_varying" in direct and "plugin_trust_varying" in direct:
         cost = direct["plugin_varying"]["steady_us"] - direct["plugin_trust_varying"]["steady_us"]

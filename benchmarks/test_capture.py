@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ca_dynsaved
-from ca_dynsaved import _compat
+from ca_dynsaved import _compat, payoff
 from models import COLS, TRACE_CPP, Elementwise, values
 
 CAPTURE_VARIANTS = ("cpp_sym", "cpp_direct", "python")
@@ -28,6 +28,9 @@ def _capture_s(model: Elementwise, x: torch.Tensor, variant: str, plugin: bool, 
         p.grad = None
     loss = model(x, *values(variant, step, True))
     _compat.clear_ca_cache()
+    # A capture at every backward is the point here: keep the plugin from taking
+    # this structure off compiled autograd after recompile_limit of them (payoff.py).
+    payoff.clear()
     if plugin:
         ctx = ca_dynsaved.enable(_identity, trace_cpp=TRACE_CPP)
     else:

@@ -57,8 +57,8 @@ def _step(ext, kind):
     return leaf_grad_step(FUNCTIONS[kind][0](ext))
 
 
-def test_both_ops_are_tagged_cudagraph_unsafe():
-    for op in (opaque.CPP_OP, opaque.PY_OP):
+def test_the_ops_are_tagged_cudagraph_unsafe():
+    for op in (opaque.CPP_OP, opaque.PY_OP, opaque.CHAIN_OP):
         assert torch.Tag.cudagraph_unsafe in op.tags
 
 
@@ -145,9 +145,9 @@ def test_partitioner_splits_at_the_opaque_op_only(ext, kind, monkeypatch):
 
 
 def test_cpu_scalars_do_not_disable_partitioned_cuda_graphs():
-    """The C++ op's packed scalars are CPU tensors (read by ``tolist()``, no device
-    sync). Inductor ignores CPU nodes when it partitions for CUDA graphs, and only
-    then: what keeps them from costing the rest of the graph its CUDA graphs."""
+    """The packed scalars a traced C++ node reads are CPU tensors (0-dim selects, no
+    device sync). Inductor ignores CPU nodes when it partitions for CUDA graphs, and
+    only then: what keeps them from costing the rest of the graph its CUDA graphs."""
     graph = torch.fx.Graph()
     nodes = {torch.device("cuda", 0): graph.placeholder("grad"), torch.device("cpu"): graph.placeholder("ints")}
     with torch._inductor.config.patch({"triton.cudagraphs": True, "graph_partition": True}):

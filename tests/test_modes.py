@@ -6,11 +6,13 @@ eager refuses it.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 import ca_dynsaved
-from helpers import STEPS, Counts, assert_grads_equal, counts, run_loop, stock_enable, this_release
+from helpers import STEPS, Counts, assert_grads_equal, counts, run_loop, scale_args, stock_enable, this_release
 from test_python_ctx import ScaleFn
 
 
@@ -229,3 +231,40 @@ def test_leaf_whose_grad_dtype_differs(ext):
     else:
         with stock_enable():
             assert step(0)[0].dtype == torch.float64
+
+
+class _NanAt(torch.autograd.Function):
+    """A NaN gradient where ``ctx.k`` is negative."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.k = k
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * (float("nan") if ctx.k < 0 else ctx.k), None
+
+
+@pytest.mark.parametrize("kind", ["opaque", "python"])
+def test_anomaly_mode_nan_check_as_stock(ext, kind):
+    """Anomaly mode's NaN check (CA's NaN checker, which the plugin's runtime wrapper
+    runs as stock's does): eager's gradients while there is no NaN, and stock's error
+    naming the input when a backward returns one."""
+    apply = _NanAt.apply if kind == "python" else (lambda x, k: ext.scale_opaque(x, *scale_args(k)))
+
+    def grad(k: int, ctx_factory) -> torch.Tensor:
+        x = torch.linspace(-1.0, 1.0, 8, requires_grad=True)
+        with torch.autograd.set_detect_anomaly(True, check_nan=True), ctx_factory():
+            apply(x * 3.0, k).sum().backward()
+        return x.grad
+
+    def plugin():
+        return ca_dynsaved.enable(backend="aot_eager", python_policy="opaque")
+
+    for k in range(1, 4):
+        torch.testing.assert_close(grad(k, plugin), grad(k, contextlib.nullcontext))
+    if kind == "python":
+        with pytest.raises(RuntimeError, match=r"Compiled Autograd returned NaN gradients for parameters: inputs\[\d+\]"):
+            grad(-1, plugin)
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)

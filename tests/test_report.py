@@ -205,6 +205,49 @@ def test_values_seen_are_distinct_and_bounded():
     assert key.more_values == MAX_COUNTED
 
 
+def test_values_seen_in_bulk_match_one_by_one():
+    """see_all (the runtime's batched path) records what see() would, value by value:
+    the same values kept, the same count, NaN once, bools apart from ints."""
+    from ca_dynsaved.report import MAX_COUNTED, MAX_VALUES, KeyReport
+
+    stream = [float("nan"), True, 1, 1.0, *range(40), float("nan"), *range(2 * MAX_COUNTED)]
+    one, bulk = (KeyReport("k", "C++", "int", "dynamic", "", "") for _ in range(2))
+    for v in stream:
+        one.see(v)
+    for start in range(0, len(stream), 64):
+        bulk.see_all(stream[start : start + 64])
+    assert repr(bulk.values) == repr(one.values) and len(one.values) == MAX_VALUES
+    assert bulk.more_values == one.more_values == MAX_COUNTED
+
+
+def test_observed_runs_are_seen_when_the_report_is_read():
+    """CaptureRecord.observe keeps a run's plain values for a batched look, which any
+    read of the report (or a full batch) makes first; any other ctx value is seen at
+    once, not kept for later steps."""
+    rep = sys.modules["ca_dynsaved.report"]  # (ca_dynsaved.report is the function)
+    record = rep.CaptureRecord(0, 0)
+    record.scalars[0] = rep.KeyReport("s", "C++", "float", rep.DYNAMIC, "", "")
+    function = rep.FunctionReport("F", "Python", True, "")
+    function.keys["k"] = rep.KeyReport("k", "Python", "int", rep.OPAQUE, "", "")
+    function.keys["held"] = rep.KeyReport("held", "Python", "list", rep.OPAQUE, "", "")
+    record.hooks[0] = function
+
+    class Ctx:
+        pass
+
+    for step in range(3):
+        ctx = Ctx()
+        ctx.k, ctx.held = step, [torch.ones(1) * step]
+        record.observe([0.5 * step], [ctx])
+    assert function.keys["held"].values[2].__class__ is list  # seen at once
+    assert record.scalars[0].values == [] and function.keys["k"].values == []  # not yet
+    rep._flush_pending()
+    assert record.scalars[0].values == [0.0, 0.5, 1.0] and function.keys["k"].values == [0, 1, 2]
+    for step in range(3, 3 + rep._BATCH):
+        record.observe([0.5 * step], [ctx])
+    assert len(record.scalars[0].values) == rep.MAX_VALUES  # a full batch: seen
+
+
 class ArrayCtxFn(torch.autograd.Function):
     """An int, a numpy array and a NaN on ctx: values whose == is no bool, or no
     equality at all."""

@@ -60,6 +60,9 @@ class NodeCapture:
     fn: Callable[..., Any] | None  # C++: CppNode_apply_functional_ivalue<T>; Python: None
     captured: tuple[Any, ...]  # the values of the CAPTURED leaves
     defined: tuple[bool, ...] | None = None  # which outputs its backward returned, once run
+    # per output, what validate_outputs kept as it was on the first run, as
+    # (type, dtype, device, layout), else None (see _finish)
+    kept: tuple[tuple[Any, ...] | None, ...] | None = None
     # per output, the incoming grad it returned as is on that run (its index), or -1
     passthrough: tuple[int, ...] | None = None
 
@@ -80,9 +83,10 @@ def registry_size() -> int:
 
 
 def clear() -> None:
-    """Forget every node spec (only safe when no plugin CA graph is cached)."""
+    """Forget every node spec and chain (only safe when no plugin CA graph is cached)."""
     _REGISTRY.clear()
     _PARSED.clear()
+    _CHAINS.clear()
 
 
 # A graph compiled after the first run names what that run learned in the op's key,
@@ -286,10 +290,15 @@ def run_cpp(grads, tensors, symints, key, slot):  # type: ignore[no-untyped-def]
         outs, backward = node.fn(list(grads), *args), 0.0  # type: ignore[misc]
     else:
         outs, backward = _call_backward(run, node.fn, list(grads), *args)  # type: ignore[arg-type]
-    result = _finish(spec, node, learned, outs, out_meta, grads, tensors, lambda: _describe_cpp(args))
+    result = _finish(spec, node, learned, outs, out_meta, grads, tensors, (_describe_cpp, args))
     if _TIMING:
         _timed(start, backward)
     return result
+
+
+def _describe_ctx(ctx: Any) -> str:
+    """A Python ctx's attributes, for an error message."""
+    return f"ctx attributes {vars(ctx)}"
 
 
 def _describe_cpp(args: Sequence[Any]) -> str:
@@ -314,29 +323,39 @@ def run_python(grads, saved, symints, key, slot, hook):  # type: ignore[no-untyp
                 f"position {i + 1}, but the corresponding forward input was not a Variable"
             )
     outs = [outs[i] if i < len(outs) else None for i in positions]
-    result = _finish(
-        spec, node, learned, outs, out_meta, grads, saved,
-        lambda: f"ctx attributes {vars(ctx)}",
-    )
+    result = _finish(spec, node, learned, outs, out_meta, grads, saved, (_describe_ctx, ctx))
     if _TIMING:
         _timed(start, backward)
     return result
 
 
-def _finish(spec, node, learned, outs, out_meta, grads, tensors, describe_saved):  # type: ignore[no-untyped-def]
+def _finish(spec, node, learned, outs, out_meta, grads, tensors, describe):  # type: ignore[no-untyped-def]
     """Check undefined grads against the graph, validate as the engine does, and
     return outputs a custom op may return: contiguous, not aliasing an input, and
     None where the compiled graph uses the incoming grad the first run returned as
-    is. ``describe_saved()`` names the saved values, for an error message only.
-    Runs for every opaque node of every backward: kept to plain loops."""
+    is. ``describe``: (function, argument) naming the saved values, called for an
+    error message only. Runs for every opaque node of every backward: kept to
+    plain loops."""
     out_defined = spec.out_defined
-    if len(outs) < len(out_defined):
-        outs = [*outs, *([None] * (len(out_defined) - len(outs)))]
-    defined = tuple([d and outs[i] is not None for i, d in enumerate(out_defined)])
+    n = len(out_defined)
+    if len(outs) < n:
+        outs = [*outs, *([None] * (n - len(outs)))]
+    defined = tuple([d and o is not None for d, o in zip(out_defined, outs)])
     expected = learned.defined if learned.defined is not None else node.defined
     if expected is not None and defined != expected:
-        raise UndefinedGradError(_undefined_message(spec, expected, defined, describe_saved()))
-    validated = _validate_outputs()([o if d else None for o, d in zip(outs, defined)], out_meta)
+        raise UndefinedGradError(_undefined_message(spec, expected, defined, describe[0](describe[1])))
+    if defined != out_defined:  # an output for an invalid edge: dropped
+        outs = [o if d else None for o, d in zip(outs, defined)]
+    kept = node.kept
+    if kept is not None and _kept(outs, out_meta, kept):
+        validated = outs  # what validate_outputs would return
+    else:
+        validated = _validate_outputs()(outs, out_meta)
+        if kept is None:  # learn what it keeps as it is
+            node.kept = tuple(
+                (type(v), v.dtype, v.device, v.layout) if v is not None and v is o and not v.is_nested else None
+                for o, v in zip(outs, validated)
+            )
     if expected is None:  # the first run of this capture: learn
         node.defined = defined
         node.passthrough = tuple(
@@ -345,23 +364,45 @@ def _finish(spec, node, learned, outs, out_meta, grads, tensors, describe_saved)
         )
     through = learned.passthrough
     result: list[torch.Tensor | None] = []
-    for i, (out, d) in enumerate(zip(validated, defined)):
-        if not d:
+    for i, out in enumerate(validated):
+        if out is None:
             result.append(None)
             continue
         if through is not None and through[i] >= 0:
             if out is not grads[through[i]]:
-                raise UndefinedGradError(_passthrough_message(spec, i, through[i], describe_saved()))
+                raise UndefinedGradError(_passthrough_message(spec, i, through[i], describe[0](describe[1])))
             result.append(None)  # the graph uses that grad itself
             continue
         out = out.contiguous()
         # A custom op may not return an alias of an input (a view, a detach, the
         # tensor itself): a backward that returns its incoming grad on a run
         # other than the first, or a saved tensor, costs a copy.
-        if _aliases(out, grads) or _aliases(out, tensors):
+        if _aliases(out, grads) or (tensors and _aliases(out, tensors)):
             out = out.clone()
         result.append(out)
     return result
+
+
+def _kept(outs: Sequence[Any], out_meta: Sequence[Any], kept: Sequence[tuple[Any, ...] | None]) -> bool:
+    """Whether validate_outputs would return ``outs`` as they are: each one of the
+    type, dtype, device and layout of an output the first run's validate kept as it
+    was, not nested, and of its metadata's sizes. What validate does depends on
+    nothing else (the metadata's other fields are constants of the node), so this
+    saves converting the metadata for the C++ call on every run."""
+    for out, meta, k in zip(outs, out_meta, kept):
+        if out is None:
+            continue
+        if (
+            k is None
+            or type(out) is not k[0]
+            or out.dtype is not k[1]
+            or out.layout is not k[3]
+            or out.is_nested
+            or out.device != k[2]
+            or out.shape != _compat.metadata_sizes(meta)
+        ):
+            return False
+    return True
 
 
 def _aliases(out: torch.Tensor, tensors: Sequence[torch.Tensor | None]) -> bool:
@@ -428,8 +469,61 @@ _lib.define(
     "int hook) -> Tensor?[]",
     tags=(_compat.CUDAGRAPH_UNSAFE,),
 )
+_lib.define(
+    "chain(Tensor?[] grads, Tensor?[] tensors, SymInt[] symints, str plan) -> Tensor?[]",
+    tags=(_compat.CUDAGRAPH_UNSAFE,),
+)
 _lib.impl("cpp_function", run_cpp, "CompositeExplicitAutograd")
 _lib.impl("py_function", run_python, "CompositeExplicitAutograd")
+
+
+# --- a run of opaque ops as one (fuse.py) ------------------------------------------------
+@dataclass(frozen=True)
+class Step:
+    """One opaque op of a chain: which runner, its key / slot / hook (None for C++),
+    its slices of the chain's tensors and symints, and where its incoming grads come
+    from (None: the chain's ``grads``; else indices into the previous step's outputs)."""
+
+    key: str
+    slot: int
+    hook: int | None
+    tensors: tuple[int, int]
+    symints: tuple[int, int]
+    sources: tuple[int, ...] | None
+
+
+_CHAINS: dict[str, tuple[Step, ...]] = {}
+
+
+def register_chain(steps: Sequence[Step]) -> str:
+    """Store a chain's steps under a key derived from their content; return it."""
+    steps = tuple(steps)
+    plan = hashlib.sha1(repr(steps).encode()).hexdigest()[:20]
+    _CHAINS[plan] = steps
+    return plan
+
+
+def chain_steps(plan: str) -> tuple[Step, ...]:
+    return _CHAINS[plan]
+
+
+@_compat.without_dynamo
+def run_chain(grads, tensors, symints, plan):  # type: ignore[no-untyped-def]
+    """Each step's op, in order, on the previous one's outputs, inside one dispatch:
+    what the ops would do one by one, without the dispatcher between them."""
+    outs = grads
+    for step in _CHAINS[plan]:
+        step_grads = grads if step.sources is None else [outs[j] for j in step.sources]
+        step_tensors = tensors[step.tensors[0] : step.tensors[1]]
+        step_symints = symints[step.symints[0] : step.symints[1]]
+        if step.hook is None:
+            outs = run_cpp(step_grads, step_tensors, step_symints, step.key, step.slot)
+        else:
+            outs = run_python(step_grads, step_tensors, step_symints, step.key, step.slot, step.hook)
+    return outs
+
+
+_lib.impl("chain", run_chain, "CompositeExplicitAutograd")
 
 
 def _fake_outputs(key: str, tensors, symints) -> list[torch.Tensor | None]:  # type: ignore[no-untyped-def]
@@ -462,15 +556,22 @@ def _(grads, saved, symints, key, slot, hook):  # type: ignore[no-untyped-def]
     return _fake_outputs(key, saved, symints)
 
 
+@torch.library.register_fake("ca_dynsaved::chain", lib=_lib)
+def _(grads, tensors, symints, plan):  # type: ignore[no-untyped-def]
+    last = _CHAINS[plan][-1]
+    return _fake_outputs(last.key, tensors[last.tensors[0] : last.tensors[1]], symints[last.symints[0] : last.symints[1]])
+
+
 #: The OpOverloads CA graphs call.
 CPP_OP = torch.ops.ca_dynsaved.cpp_function.default
 PY_OP = torch.ops.ca_dynsaved.py_function.default
+CHAIN_OP = torch.ops.ca_dynsaved.chain.default
 # Never removed as dead code, by FX, AOTAutograd or inductor: an op whose outputs
 # the graph uses none of (each one the incoming grad, passed on without a copy) must
 # still run the user's backward, which checks that it still passes them through.
-for _op in (CPP_OP, PY_OP):
+for _op in (CPP_OP, PY_OP, CHAIN_OP):
     torch.fx.node.has_side_effect(_op)
 #: Direct (differentiable) runners, used when a graph runs with create_graph=True.
-RUNNERS = {CPP_OP: run_cpp, PY_OP: run_python}
+RUNNERS = {CPP_OP: run_cpp, PY_OP: run_python, CHAIN_OP: run_chain}
 #: Position of the ``key`` argument of each op.
 KEY_ARG = {CPP_OP: 3, PY_OP: 3}

@@ -24,6 +24,7 @@ from .probe import is_number
 #: Distinct values kept per key; more are counted (up to MAX_COUNTED), not kept.
 MAX_VALUES = 8
 MAX_COUNTED = 1024
+_CAPACITY = MAX_VALUES + MAX_COUNTED
 #: Captures kept (the newest): a bool or str saved value that is new at every step
 #: makes a capture per step.
 MAX_CAPTURES = 256
@@ -48,9 +49,8 @@ class KeyReport:
     more_values: int = 0  # distinct values seen beyond those (counted up to MAX_COUNTED)
     recompiles: int = 0  # Dynamo recompiles of CA graphs whose failed guard names it
     guard: str = ""  # the newest such failed guard, as Dynamo reported it
-    _more: set[str] = field(default_factory=set, repr=False, compare=False)
-    # what see() has seen, for a set lookup per run instead of comparing with each
-    # value kept (it runs for every lifted key of every backward)
+    # the _seen_key of every distinct value seen, up to _CAPACITY: a set lookup per
+    # value instead of comparing with each value kept, and the count of the others
     _seen: set[Any] = field(default_factory=set, repr=False, compare=False)
 
     @property
@@ -64,28 +64,41 @@ class KeyReport:
         return 1 + self.recompiles if guarded or missed else 0
 
     def see_all(self, values: Sequence[Any]) -> None:
-        """``see`` each of ``values``, in order, each distinct (type, value) once."""
+        """``see`` each of ``values``, in order, cheaply: those already seen are
+        dropped in C (a set difference on ``_seen_key``'s keys), and once MAX_VALUES
+        are kept the new ones are only counted, in bulk. A key observed on every
+        backward costs next to nothing once its values recur or its count is full."""
+        if len(self._seen) >= _CAPACITY:
+            return
         try:
-            distinct = dict.fromkeys(zip(map(type, values), values))  # ordered, in C
+            keys = dict.fromkeys(zip(map(type, values), values))  # ordered, in C
+            new = keys.keys() - self._seen
         except TypeError:  # an unhashable value
             for value in values:
                 self.see(value)
             return
-        for _, value in distinct:
-            self.see(value)
+        if not new:
+            return
+        if len(self.values) < MAX_VALUES:
+            for key in keys:
+                if key in new:
+                    self.see(key[1])
+            return
+        fresh = [_seen_key(value) for _, value in new]  # NaN under one key
+        self._seen.update(fresh[: _CAPACITY - len(self._seen)])
+        self.more_values = min(len(self._seen) - len(self.values), MAX_COUNTED)
 
     def see(self, value: Any) -> None:
+        if len(self._seen) >= _CAPACITY:
+            return
         key = _seen_key(value)
         if key in self._seen:
             return
-        if len(self._seen) < MAX_VALUES + MAX_COUNTED:
-            self._seen.add(key)
-        if len(self.values) < MAX_VALUES:
-            if not any(_same(seen, value) for seen in self.values):
-                self.values.append(value)
-        elif len(self._more) < MAX_COUNTED:
-            self._more.add(repr(value))
-            self.more_values = len(self._more)
+        self._seen.add(key)
+        if len(self.values) < MAX_VALUES and not any(_same(seen, value) for seen in self.values):
+            self.values.append(value)
+            return
+        self.more_values = min(len(self._seen) - len(self.values), MAX_COUNTED)
 
 
 def _seen_key(value: Any) -> Any:
@@ -267,7 +280,7 @@ class Report:
 
 def _key_dict(key: KeyReport) -> dict[str, Any]:
     data = asdict(key) | {"compiles": key.compiles}
-    del data["_more"], data["_seen"]
+    del data["_seen"]
     return data
 
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch._dynamo.utils import counters
 
-from . import _compat, opaque, reuse, sentinel
+from . import _compat, fuse, opaque, reuse, sentinel
 from .report import CaptureRecord
 
 
@@ -263,7 +263,8 @@ def make_runtime_wrapper(
             # read the packed floats)
             return runtime_wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
         if not compiled and all(node.defined is not None for node in nodes):
-            reuse.name_learned_outputs(graph_module, nodes)  # new code: mark it again
+            reuse.name_learned_outputs(graph_module, nodes)
+            fuse.chains(graph_module)  # new code: mark it again
             _compat.mark_dynamic_scalars(graph_module.forward.__code__, dynamic_sources)
             fn, record.compiled = reuse.compiled_for(graph_module, compiled_fn, compiler_fn)
             compiled.append(fn)

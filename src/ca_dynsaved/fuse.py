@@ -1,0 +1,108 @@
+"""Runs of opaque ops that only feed each other become one op.
+
+Each opaque op is a dispatcher call (its arguments converted to and from IValues)
+and, under inductor, an extern kernel with its own output checks: about 5 us a node
+on a chain of nearly free C++ nodes, a fifth of what an opaque node costs there. A
+node whose incoming gradients all come from the previous opaque node, which feeds
+nothing else, gains nothing from being a separate call: ``chains`` replaces such a
+run with one ``ca_dynsaved::chain`` op, whose impl calls the same runners one after
+the other (``opaque.run_chain``) and whose fake impl is the last node's.
+
+It rewrites the graph the compiled code is made from, after the first run has
+learned each node's undefined and passed-through outputs (``reuse.
+name_learned_outputs``): a node that passes a gradient through ends a chain (the
+next node then reads that gradient from before it), and what a chain's steps do
+with undefined gradients and saved values is what the ops did.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch._dynamo.utils import counters
+
+from . import opaque
+
+_OPAQUE = (opaque.CPP_OP, opaque.PY_OP)
+
+
+def chains(gm: torch.fx.GraphModule) -> int:
+    """Fuse every run of two or more opaque ops in ``gm`` (in place; recompiles it);
+    returns how many ops were folded into a previous one."""
+    fused = 0
+    for node in list(gm.graph.nodes):
+        if node.target in _OPAQUE:
+            producer = _sole_producer(node)
+            if producer is not None:
+                _fold(gm.graph, producer, node)
+                fused += 1
+    if fused:
+        gm.recompile()
+        counters["ca_dynsaved"]["fused_opaque_nodes"] += fused
+    return fused
+
+
+def _sole_producer(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The opaque op (or chain) all of ``node``'s incoming grads come from, if that op
+    feeds nothing but ``node``'s grads, each output at most once."""
+    grads = node.args[0]
+    if not isinstance(grads, (list, tuple)) or not grads:
+        return None
+    producer = None
+    for g in grads:
+        if not (isinstance(g, torch.fx.Node) and g.target is operator.getitem and len(g.users) == 1):
+            return None
+        source = g.args[0]
+        if producer is None:
+            producer = source
+        if source is not producer or not isinstance(source, torch.fx.Node):
+            return None
+    if producer.target not in (*_OPAQUE, opaque.CHAIN_OP):
+        return None
+    if set(producer.users) != set(grads) or len(set(grads)) != len(grads):
+        return None
+    # node's other arguments must not read the producer's outputs either
+    rest: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(node.args[1:], rest.append)
+    return None if any(r in grads for r in rest) else producer
+
+
+def _parts(node: torch.fx.Node) -> tuple[list[opaque.Step], list[Any], list[Any], list[Any]]:
+    """(steps, grads, tensors, symints) of an opaque op or chain node."""
+    if node.target is opaque.CHAIN_OP:
+        grads, tensors, symints, plan = node.args
+        return list(opaque.chain_steps(plan)), list(grads), list(tensors), list(symints)
+    if node.target is opaque.CPP_OP:
+        grads, tensors, symints, key, slot = node.args
+        hook = None
+    else:
+        grads, tensors, symints, key, slot, hook = node.args
+    step = opaque.Step(key, slot, hook, (0, len(tensors)), (0, len(symints)), None)
+    return [step], list(grads), list(tensors), list(symints)
+
+
+def _fold(graph: torch.fx.Graph, producer: torch.fx.Node, node: torch.fx.Node) -> None:
+    """Replace ``producer`` and ``node`` with one chain node, where ``node`` was."""
+    steps, grads, tensors, symints = _parts(producer)
+    (last,), _, node_tensors, node_symints = _parts(node)
+    sources = tuple(g.args[1] for g in node.args[0])
+    t, s = len(tensors), len(symints)
+    steps.append(
+        opaque.Step(
+            last.key, last.slot, last.hook,
+            (t, t + len(node_tensors)), (s, s + len(node_symints)), sources,
+        )
+    )
+    with graph.inserting_before(node):
+        chain = graph.call_function(
+            opaque.CHAIN_OP,
+            (grads, tensors + node_tensors, symints + node_symints, opaque.register_chain(steps)),
+        )
+    chain.meta = dict(node.meta)
+    node.replace_all_uses_with(chain)
+    graph.erase_node(node)
+    for g in list(producer.users):
+        graph.erase_node(g)
+    graph.erase_node(producer)
