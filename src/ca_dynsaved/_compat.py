@@ -279,17 +279,20 @@ class _PluginEngine(torch._C._ImperativeEngine):  # type: ignore[misc]
         super().__init__()
         self._local = threading.local()
 
+    def _stack(self, name: str) -> list[Any]:
+        """This thread's stack ``name``: "frames" (per running backward, its
+        callback list or None) or "gates" (per open plugin context, its gate)."""
+        stack = getattr(self._local, name, None)
+        if stack is None:
+            stack = []
+            setattr(self._local, name, stack)
+        return stack
+
     def _frames(self) -> list[list[Callable[[], None]] | None]:
-        frames = getattr(self._local, "frames", None)
-        if frames is None:
-            frames = self._local.frames = []
-        return frames
+        return self._stack("frames")
 
     def _gates(self) -> list[Callable[..., Any]]:
-        gates = getattr(self._local, "gates", None)
-        if gates is None:
-            gates = self._local.gates = []
-        return gates
+        return self._stack("gates")
 
     # Called with Dynamo's frame callback on (Dynamo's config path): never a frame
     # for Dynamo to compile.
