@@ -25,8 +25,6 @@ import contextlib
 import functools
 import gc
 import statistics
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -83,29 +81,22 @@ def steady_us(ext: Any, variant: str, warm: int, steps: int, passes: int) -> dic
     return {config: min(m) * 1e6 for config, m in medians.items()}
 
 
-_DISPATCH = f"""
-import time, torch
-lib = torch.library.Library("ca_dynsaved_bench", "DEF")
-lib.define("noop(Tensor?[] grads, Tensor?[] tensors, SymInt[] symints, str key, int slot) -> Tensor?[]")
-lib.impl("noop", lambda grads, *rest: [grads[0].new_empty(grads[0].shape)], "CompositeExplicitAutograd")
-op = torch.ops.ca_dynsaved_bench.noop.default
-args = ([torch.randn({CHAIN_ELEMENTS})], [], [16, 16], "k", 0)
-for _ in range(200):
-    op(*args)
-start = time.perf_counter()
-for _ in range(5000):
-    op(*args)
-print((time.perf_counter() - start) / 5000 * 1e6)
-"""
-
-
 @functools.cache
 def _dispatch_us() -> float:
-    """One call of an op declared like the plugin's C++ op, its impl doing nothing;
-    in a process of its own: registering a Python kernel here slowed every later
-    step of this process's chains by 20-30 us a node (measured)."""
-    out = subprocess.run([sys.executable, "-c", _DISPATCH], capture_output=True, text=True, check=True)
-    return float(out.stdout.split()[-1])
+    """One call of an op declared like the plugin's C++ op, its impl doing nothing
+    (once per session)."""
+    lib = torch.library.Library("ca_dynsaved_bench", "FRAGMENT")
+    if not hasattr(torch.ops.ca_dynsaved_bench, "noop"):
+        lib.define("noop(Tensor?[] grads, Tensor?[] tensors, SymInt[] symints, str key, int slot) -> Tensor?[]")
+        lib.impl("noop", lambda grads, *rest: [grads[0].new_empty(grads[0].shape)], "CompositeExplicitAutograd")
+    op = torch.ops.ca_dynsaved_bench.noop.default
+    args = ([torch.randn(CHAIN_ELEMENTS)], [], [16, 16], "k", 0)
+    for _ in range(200):
+        op(*args)
+    start = time.perf_counter()
+    for _ in range(5000):
+        op(*args)
+    return (time.perf_counter() - start) / 5000 * 1e6
 
 
 @pytest.mark.parametrize("variant", CHAIN_VARIANTS)
