@@ -206,3 +206,36 @@ def test_self_check_names_what_differed(monkeypatch):
         "compiles: 1, every tested release gives 2",
         "_SelfCheckScale ran traced-dynamic, every tested release runs it opaque",
     ]
+
+
+def test_runtime_wrapper_copy_is_active_and_follows_sizes(ext, monkeypatch):
+    """On every tested release the plugin's copy of stock CA's runtime wrapper
+    (``_compat.sizes_made_once``) is the one that runs (stock's source matches), and
+    a batch size that changes gets a size tensor of its own: gradients equal eager's;
+    one recompile when the leaf's size first changes (its shape is a graph input:
+    automatic dynamic, as under stock), none after."""
+    from helpers import Counts, counts, scale_args
+
+    matched: list[bool] = []
+    made = _compat.sizes_made_once
+
+    def spy(runtime_wrapper):  # type: ignore[no-untyped-def]
+        matched.append(_compat._is_stock_runtime_wrapper(runtime_wrapper.__code__))
+        return made(runtime_wrapper)
+
+    monkeypatch.setattr(_compat, "sizes_made_once", spy)
+
+    def grads(ctx_factory):  # type: ignore[no-untyped-def]
+        out = []
+        for k, n in enumerate((8, 12, 8, 16, 3, 12)):
+            x = torch.linspace(-1.0, 1.0, n, requires_grad=True)
+            with ctx_factory():
+                ext.scale_opaque(x * 2.0, *scale_args(k)).sum().backward()
+            out.append(x.grad)
+        return out
+
+    plugin = grads(lambda: ca_dynsaved.enable(backend="aot_eager"))
+    for got, want in zip(plugin, grads(torch._dynamo.compiled_autograd._disable), strict=True):
+        torch.testing.assert_close(got, want)
+    assert matched == [True]
+    assert counts() == Counts(captures=1, compiles=2, graph_breaks=0)
