@@ -346,16 +346,44 @@ def test_ints_beyond_int64_and_numpy_scalars_run_opaque(kind):
     assert record.opaque and record.kinds == (type(value(0)).__name__,)
 
 
-def test_zero_dim_tensor_attribute_keeps_stock_tracing():
-    """A 0-dim tensor on ctx is a graph input under stock CA, not a guarded value:
-    the function keeps stock tracing (here stock breaks the graph at float(tensor)),
-    with exactly stock's counts and eager's gradients."""
-    step = _step(lambda x, i: AnyScalarFn.apply(x, torch.tensor(0.5 + i)))
-    run_loop(step, stock_enable, steps=5)
+class TensorAttributeFn(torch.autograd.Function):
+    """ctx.t: a 0-dim tensor attribute (not saved), used in tensor math only."""
+
+    @staticmethod
+    def forward(ctx, x, t):
+        ctx.t = t
+        return x * t
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.t, None
+
+
+def _stock_then_plugin(step, steps: int = 5) -> Counts:
+    """Stock's counts over ``steps``; then the plugin's run from a fresh state."""
+    run_loop(step, stock_enable, steps=steps)
     stock = counts()
     ca_dynsaved.reset()
     torch._dynamo.utils.counters.clear()
-    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=5)
-    assert counts() == stock == Counts(captures=1, compiles=4, graph_breaks=3)
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=steps)
+    return stock
+
+
+def test_zero_dim_tensor_attribute_keeps_stock_tracing():
+    """A 0-dim tensor on ctx is a graph input under stock CA, not a guarded value:
+    a function whose backward traces keeps stock tracing, with exactly stock's
+    counts and eager's gradients."""
+    stock = _stock_then_plugin(_step(lambda x, i: TensorAttributeFn.apply(x, torch.tensor(0.5 + i))))
+    assert counts() == stock == Counts(captures=1, compiles=1, graph_breaks=0)
     (record,) = set(ca_dynsaved.report().nodes)
-    assert not record.opaque and "no int or float ctx attribute" in record.reason
+    assert not record.opaque and "no int or float ctx attribute, and Dynamo traces its backward" in record.reason
+
+
+def test_zero_dim_tensor_attribute_read_as_a_float_runs_opaque():
+    """The same attribute read as a Python number (``float(ctx.v)``): stock breaks
+    the graph there and recompiles; the backward runs opaque (graphbreak.py)."""
+    stock = _stock_then_plugin(_step(lambda x, i: AnyScalarFn.apply(x, torch.tensor(0.5 + i))))
+    assert stock == Counts(captures=1, compiles=4, graph_breaks=3)
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+    (record,) = set(ca_dynsaved.report().nodes)
+    assert record.opaque and record.reason.startswith("backward not traceable by Dynamo: ")

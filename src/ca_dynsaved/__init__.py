@@ -19,7 +19,7 @@ from . import _compat  # noqa: F401  (version check first)
 
 import torch  # noqa: E402
 
-from . import cpptrace, opaque, payoff, probe, reuse, selfcheck, sentinel  # noqa: E402
+from . import cpptrace, graphbreak, opaque, payoff, probe, reuse, selfcheck, sentinel  # noqa: E402
 from ._install import (  # noqa: E402
     CONFIG_FLAG,
     CONFIG_PYTHON_POLICY,
@@ -66,6 +66,7 @@ def reset() -> None:
     opaque.clear()
     payoff.clear()
     probe.clear()
+    graphbreak.clear()
     cpptrace.clear()
     sentinel.clear()
     reuse.clear()

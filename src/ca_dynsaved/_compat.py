@@ -218,6 +218,93 @@ def call_backward(ctx: Any, saved_tensors: list[Any], *grads: Any) -> tuple[Any,
     return call_backward(ctx, saved_tensors, *grads)
 
 
+@dataclass(frozen=True)
+class TracedAlone:
+    """What Dynamo made of a Python backward traced on its own (``trace_backward_alone``)."""
+
+    breaks: bool | None  # True: a graph break; False: one graph; None: Dynamo failed otherwise
+    reason: str  # the break's kind and Dynamo's explanation, or the failure
+    where: str = ""  # "file:line in function" of the user frame the break is in
+
+
+class _OneGraph(Exception):
+    """Raised by the refusing backend: Dynamo traced the backward in one graph."""
+
+
+def _refuse(gm: Any, example_inputs: Any) -> Any:
+    raise _OneGraph
+
+
+_ALONE_SOURCE = "def backward_alone(ctx, saved, *grads):\n    return call_backward(ctx, saved, *grads)\n"
+
+
+def trace_backward_alone(ctx: Any, saved: list[Any], grads: list[Any]) -> TracedAlone:
+    """Trace ``call_backward(ctx, saved, *grads)`` with Dynamo as a CA graph traces its
+    call of it (graph breaks allowed, so ``.item()`` breaks there as here, where
+    ``fullgraph=True`` would capture it; sizes dynamic), but stop at the first break
+    (``error_on_graph_break``) and never run it: the backend refuses the one graph.
+    A fresh code object each time leaves Dynamo no cache entry or frame state to
+    reuse; the counters are restored, so they keep counting what the user compiles."""
+    from torch._dynamo import exc
+    from torch._dynamo.external_utils import call_backward
+
+    scope: dict[str, Any] = {"call_backward": call_backward}
+    exec(compile(_ALONE_SOURCE, "<ca_dynsaved: a backward traced alone>", "exec"), scope)
+    before = {name: counter.copy() for name, counter in counters.items()}
+    try:
+        with torch._dynamo.error_on_graph_break(True):
+            torch.compile(scope["backward_alone"], backend=_refuse, dynamic=True)(ctx, saved, *grads)
+        # No graph to compile (it returns its inputs as they are, or constants):
+        # Dynamo called no backend, and the code it ran does nothing else.
+        return TracedAlone(False, "no op to compile")
+    except exc.Unsupported as e:
+        return TracedAlone(True, _break_reason(e), _break_frame(e))
+    except exc.BackendCompilerFailed as e:
+        if isinstance(e.inner_exception, _OneGraph):
+            return TracedAlone(False, "one graph")
+        return TracedAlone(None, _failure(e.inner_exception))
+    except Exception as e:  # noqa: BLE001 - Dynamo failed in some other way: the caller decides
+        return TracedAlone(None, _failure(e))
+    finally:
+        counters.clear()
+        counters.update(before)
+
+
+def _failure(e: BaseException) -> str:
+    """An exception's type and first line, without Dynamo's "from user code" trailer
+    (torch 2.11's assertions in Dynamo carry no message of their own)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    first = lines[0][:200] if lines and lines[0] != "from user code:" else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def _break_reason(e: Exception) -> str:
+    """A graph break's kind and Dynamo's one-line explanation."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    kind = lines[0] if lines else type(e).__name__
+    explanation = next((line[len("Explanation:"):].strip() for line in lines if line.startswith("Explanation:")), "")
+    explanation = re.split(r"(?<=[.)`])\s+(?=[A-Z])", explanation)[0].rstrip(".")  # its first sentence
+    return f"{kind} ({explanation})" if explanation else kind
+
+
+def _break_frame(e: Exception) -> str:
+    """The innermost user frame of a graph break (Dynamo's ``real_stack``)."""
+    stack = getattr(e, "real_stack", None) or []
+    if not stack:
+        return ""
+    frame = stack[-1]
+    return f"{frame.filename}:{frame.lineno} in {frame.name}"
+
+
+def dispatch_keys() -> tuple[Any, Any]:
+    """The calling thread's local dispatch key sets: (included, excluded)."""
+    return torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+
+
+#: Sets a thread's local dispatch key sets for a block (to ``dispatch_keys()``'s).
+ForceDispatchKeys = torch._C._ForceDispatchKeyGuard
+
+
 # Device types autocast can be enabled for (a privateuse1 backend under its own name).
 _AUTOCAST_DEVICES = tuple(
     device

@@ -182,6 +182,7 @@ class _Run:
     hooks: Sequence[Any]  # CA's hooks of this run: the Python ctx objects
     nodes: Sequence[NodeCapture]  # the capture's nodes, by slot
     autocast: _compat.AutocastState | None  # the caller's autocast state
+    keys: tuple[Any, Any]  # the caller's local dispatch key sets (_compat.dispatch_keys)
     # this run's lifted ints and doubles (runtime.Packer), which the C++ ops'
     # INT / FLOAT leaves index
     ints: Sequence[int] = ()
@@ -199,7 +200,7 @@ class bound_run:
     def __init__(
         self, hooks: Sequence[Any], nodes: Sequence[NodeCapture], ints: Sequence[int] = (), floats: Sequence[float] = ()
     ) -> None:
-        self._run = _Run(hooks, nodes, _compat.autocast_state(), ints, floats)
+        self._run = _Run(hooks, nodes, _compat.autocast_state(), _compat.dispatch_keys(), ints, floats)
 
     def __enter__(self) -> None:
         self._prior = getattr(_local, "run", None)
@@ -259,14 +260,19 @@ def _timed(start: float, backward: float) -> None:
 
 
 def _call_backward(run: _Run, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
-    """``fn(*args)`` (the user's backward) under the caller's autocast state, and its
-    seconds while timing (else 0)."""
+    """``fn(*args)`` (the user's backward) as eager's engine calls it: under the
+    caller's dispatch key sets and autocast state; and its seconds while timing
+    (else 0). A compiled graph calls the op below autograd (AOTAutograd's runtime,
+    the dispatcher's autograd fallback exclude the autograd keys), where a backward
+    that differentiates something itself (``torch.autograd.grad`` under
+    ``enable_grad``: an adjoint, a gradient penalty) would record no history."""
     called = time.perf_counter() if _TIMING else 0.0
-    if run.autocast is None:  # no contextmanager on the common path
-        outs = fn(*args)
-    else:
-        with _caller_autocast(run.autocast):
+    with _compat.ForceDispatchKeys(*run.keys):
+        if run.autocast is None:  # no contextmanager on the common path
             outs = fn(*args)
+        else:
+            with _caller_autocast(run.autocast):
+                outs = fn(*args)
     return outs, (time.perf_counter() - called if _TIMING else 0.0)
 
 
@@ -287,7 +293,8 @@ def run_cpp(grads, tensors, symints, key, slot):  # type: ignore[no-untyped-def]
     node = run.nodes[slot]
     args, out_meta = spec.build(tensors, run.ints, run.floats, symints, node.captured)  # type: ignore[attr-defined]
     if run.autocast is None and not _TIMING:  # the common path: no extra frame
-        outs, backward = node.fn(list(grads), *args), 0.0  # type: ignore[misc]
+        with _compat.ForceDispatchKeys(*run.keys):  # as in _call_backward
+            outs, backward = node.fn(list(grads), *args), 0.0  # type: ignore[misc]
     else:
         outs, backward = _call_backward(run, node.fn, list(grads), *args)  # type: ignore[arg-type]
     result = _finish(spec, node, learned, outs, out_meta, grads, tensors, (_describe_cpp, args))
@@ -344,8 +351,8 @@ def _finish(spec, node, learned, outs, out_meta, grads, tensors, describe):  # t
     expected = learned.defined if learned.defined is not None else node.defined
     if expected is not None and defined != expected:
         raise UndefinedGradError(_undefined_message(spec, expected, defined, describe[0](describe[1])))
-    if defined != out_defined:  # an output for an invalid edge: dropped
-        outs = [o if d else None for o, d in zip(outs, defined)]
+    if False in out_defined:  # an output for an invalid edge (no grad needed there): dropped
+        outs = [o if d else None for o, d in zip(outs, out_defined)]
     kept = node.kept
     if kept is not None and _kept(outs, out_meta, kept):
         validated = outs  # what validate_outputs would return

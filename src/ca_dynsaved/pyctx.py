@@ -16,16 +16,18 @@ automatic dynamic makes it symbolic; a value passed to an op whose schema says
   real ctx: new values never recompile; its ops do not fuse with their neighbours.
 * ``"stock"``: every Python function is left to stock CA.
 
-Under all three, a function whose ctx holds no int or float keeps stock tracing, so
-a bool or str attribute that picks a branch keeps its guard (one compile per
-value), and a tensor attribute stays a graph input.
+Under ``"auto"`` and ``"opaque"``, a function whose backward Dynamo would break
+the graph at (``graphbreak.py`` traces it alone, once per function and ctx layout)
+runs opaque too, whatever its ctx holds. Any other function whose ctx holds no int
+or float keeps stock tracing, so a bool or str attribute that picks a branch keeps
+its guard (one compile per value), and a tensor attribute stays a graph input.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from . import probe
+from . import graphbreak, probe
 from .probe import is_number
 from .report import TRACED  # noqa: F401  (a node's handling, besides OPAQUE and STOCK)
 
@@ -53,10 +55,19 @@ def decide(
     reason = stock_reason(ctx, policy, backward_state_idx, opaque_object_indices)
     if reason is not None:
         return STOCK, reason
-    if policy == OPAQUE:
+    has_numbers = any(is_number(v) for v in vars(ctx).values())
+    if has_numbers and policy == OPAQUE:
         return OPAQUE, ""
-    verdict = probe.verdict(ctx, saved, tensor_inputs)
-    return (TRACED if verdict.traced else OPAQUE), verdict.reason
+    if has_numbers:
+        verdict = probe.verdict(ctx, saved, tensor_inputs)
+        if not verdict.traced:
+            return OPAQUE, verdict.reason
+    breaks = graphbreak.break_reason(ctx, saved)
+    if breaks is not None:
+        return OPAQUE, breaks
+    if has_numbers:
+        return TRACED, verdict.reason
+    return STOCK, "no int or float ctx attribute, and Dynamo traces its backward (bools, strs and tensors keep stock tracing)"
 
 
 def dynamic_sources(ctx: Any, hook: int) -> list[str]:
@@ -72,6 +83,4 @@ def stock_reason(ctx: Any, policy: str, backward_state_idx: Any, opaque_object_i
         return "boxed_grads_call, which CA does not support"
     if backward_state_idx is not None or opaque_object_indices:
         return "it uses a BackwardState or opaque objects"
-    if not any(is_number(v) for v in vars(ctx).values()):
-        return "no int or float ctx attribute (bools, strs and tensors keep stock tracing)"
     return None

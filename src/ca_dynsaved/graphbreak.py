@@ -1,0 +1,73 @@
+"""Would Dynamo break the CA graph at a Python backward? Its backward traced alone.
+
+Stock CA puts a Python backward in its graph as ``call_backward(hooks[i], saved,
+*grads)`` and Dynamo inlines it when it compiles the graph. A backward that calls
+something Dynamo refuses (a C extension's helper, numpy it cannot map to torch,
+``.item()``, ``.tolist()``) breaks the graph there, at every such node, and each
+break is a new frame that recompiles as sizes change. Run opaque instead
+(``ca_dynsaved::py_function``, as ``pyctx`` runs a function that would specialise
+on a ctx number), such a node costs no break and no compile of its own.
+
+The symbolic probe (``probe.py``) cannot tell: a plain Python helper Dynamo refuses
+runs fine on fake tensors. So the backward is traced by Dynamo itself, alone, as the
+CA graph would trace it (``_compat.trace_backward_alone``): real empty tensors with
+the capture's sizes, sizes dynamic, the real ctx, stopping at the first break, the
+graph never run. About 10-80 ms a function (more for a long backward; the first of
+a process about 0.25 s), once per function and ctx layout (attribute names and
+types), as the probe. A value that takes an untraced branch only on some steps is
+not seen: that node then breaks the graph as under stock, never worse. Dynamo
+failing on it in any other way (an internal error: stock CA's compile would raise
+it) runs it opaque too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from . import _compat
+
+_CACHE: dict[tuple[Any, ...], str | None] = {}
+
+
+def clear() -> None:
+    _CACHE.clear()
+
+
+def break_reason(ctx: Any, saved: Sequence[Any]) -> str | None:
+    """Why Dynamo would break the graph at (or fail on) this node's backward, None
+    if it traces in one graph. torch's own
+    functions (FSDP2's pre- and post-backward hooks, activation checkpointing) are
+    written for CA, some with a path of their own under it: they keep stock."""
+    if ctx._forward_cls.__module__.partition(".")[0] == "torch":
+        return None
+    key = (ctx._forward_cls, tuple((name, type(value)) for name, value in vars(ctx).items()))
+    if key not in _CACHE:
+        _compat.counters["ca_dynsaved"]["dynamo_probes"] += 1
+        _CACHE[key] = _trace(ctx, saved)
+    return _CACHE[key]
+
+
+def _trace(ctx: Any, saved: Sequence[Any]) -> str | None:
+    with _compat.outside_capture():
+        real_saved = [_empty_like(t) for t in saved]
+        grads = [
+            torch.empty(shape, dtype=dtype, device=device)
+            for shape, dtype, device in _compat.incoming_grad_metadata(ctx)
+        ]
+        traced = _compat.trace_backward_alone(ctx, real_saved, grads)
+    if traced.breaks is False:
+        return None
+    if traced.breaks is None:  # CA's compile of it would fail the same way
+        return f"backward not traceable by Dynamo: tracing it failed ({traced.reason})"
+    at = f" at {traced.where}" if traced.where else ""
+    return f"backward not traceable by Dynamo: {traced.reason}{at}"
+
+
+def _empty_like(t: Any) -> Any:
+    """A real, uninitialised tensor like capture tensor ``t`` (concrete sizes)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    sizes, strides = _compat.size_hints(t)
+    return torch.empty_strided(sizes, strides, dtype=t.dtype, device=t.device)
