@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from . import _compat
-from .probe import FLOAT_HINT, INT_HINT, Verdict, fake_like, first_line, run_symbolic
+from .probe import FLOAT_HINT, INT_HINT, Verdict, empty_like, first_line, run_symbolic
 
 aten = torch.ops.aten
 #: ``X.Scalar`` overload -> ``X.Tensor`` overload taking the scalar (argument 1)
@@ -92,7 +92,7 @@ def _decide(fn: Any, call: _compat.CppCall, lifted: dict[Any, Any]) -> Verdict:
 
     def backward(symbols: dict[str, Any]) -> Any:
         grads = [_compat.tensor_from_variable_info(info, concrete=True) for info in call.output_info]
-        return call.call(fn, grads, values=[symbols[k] for k in call.keys], saved=[fake_like(t) for t in call.saved])
+        return call.call(fn, grads, values=[symbols[k] for k in call.keys], saved=[empty_like(t) for t in call.saved])
 
     def rewritable(func: Any, args: tuple[Any, ...], leaf: Any) -> bool:
         """The float itself as the Scalar of an ``X.Scalar`` op on a floating tensor."""
@@ -126,7 +126,7 @@ def trace(
     become CA's dummies, as stock CA returns for a call it records whole."""
     with _compat.disable_proxy_modes_tracing():
         fake_grads = [_compat.tensor_from_variable_info(info, concrete=True) for info in call.output_info]
-        saved = [fake_like(t) for t in call.saved]
+        saved = [empty_like(t) for t in call.saved]
     instance.bind_objects_to_proxies(fake_grads, [instance.to_proxy(g) for g in grads])
     instance.bind_objects_to_proxies(
         [t for t in saved if t is not None], [instance.to_proxy(t) for t in call.saved if t is not None]

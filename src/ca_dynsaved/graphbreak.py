@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import _compat
+from . import _compat, probe
 
 _CACHE: dict[tuple[Any, ...], str | None] = {}
 
@@ -51,7 +51,7 @@ def break_reason(ctx: Any, saved: Sequence[Any]) -> str | None:
 
 def _trace(ctx: Any, saved: Sequence[Any]) -> str | None:
     with _compat.outside_capture():
-        real_saved = [_empty_like(t) for t in saved]
+        real_saved = [probe.empty_like(t) for t in saved]
         grads = [
             torch.empty(shape, dtype=dtype, device=device)
             for shape, dtype, device in _compat.incoming_grad_metadata(ctx)
@@ -64,10 +64,3 @@ def _trace(ctx: Any, saved: Sequence[Any]) -> str | None:
     at = f" at {traced.where}" if traced.where else ""
     return f"backward not traceable by Dynamo: {traced.reason}{at}"
 
-
-def _empty_like(t: Any) -> Any:
-    """A real, uninitialised tensor like capture tensor ``t`` (concrete sizes)."""
-    if not isinstance(t, torch.Tensor):
-        return t
-    sizes, strides = _compat.size_hints(t)
-    return torch.empty_strided(sizes, strides, dtype=t.dtype, device=t.device)

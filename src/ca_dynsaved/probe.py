@@ -204,7 +204,7 @@ def _probe(
 ) -> Verdict:
     def backward(symbols: dict[str, Any]) -> tuple[_StandIn, Any]:
         values = {name.removeprefix("ctx."): value for name, value in symbols.items()}
-        stand_in = _StandIn(ctx, [fake_like(t) for t in saved], values)
+        stand_in = _StandIn(ctx, [empty_like(t) for t in saved], values)
         fake_grads = [
             torch.empty(shape, dtype=dtype, device=device)
             for shape, dtype, device in _compat.incoming_grad_metadata(ctx)
@@ -234,8 +234,9 @@ def _probe(
     return Verdict(True, "its ctx numbers only reach tensor math: " + ", ".join(f"ctx.{n}" for n in numbers))
 
 
-def fake_like(t: Any) -> Any:
-    """A fake tensor of the probe's mode like capture tensor ``t``, concrete sizes."""
+def empty_like(t: Any) -> Any:
+    """An empty tensor like capture tensor ``t``, its sizes concrete: fake under the
+    probe's fake mode, real (uninitialised) outside it (``graphbreak``)."""
     if not isinstance(t, torch.Tensor):
         return t
     sizes, strides = _compat.size_hints(t)
