@@ -260,19 +260,14 @@ def _timed(start: float, backward: float) -> None:
 
 
 def _call_backward(run: _Run, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
-    """``fn(*args)`` (the user's backward) as eager's engine calls it: under the
-    caller's dispatch key sets and autocast state; and its seconds while timing
-    (else 0). A compiled graph calls the op below autograd (AOTAutograd's runtime,
-    the dispatcher's autograd fallback exclude the autograd keys), where a backward
-    that differentiates something itself (``torch.autograd.grad`` under
-    ``enable_grad``: an adjoint, a gradient penalty) would record no history."""
+    """``fn(*args)`` (the user's backward) under the caller's autocast state, and its
+    seconds while timing (else 0)."""
     called = time.perf_counter() if _TIMING else 0.0
-    with _compat.ForceDispatchKeys(*run.keys):
-        if run.autocast is None:  # no contextmanager on the common path
+    if run.autocast is None:  # no contextmanager on the common path
+        outs = fn(*args)
+    else:
+        with _caller_autocast(run.autocast):
             outs = fn(*args)
-        else:
-            with _caller_autocast(run.autocast):
-                outs = fn(*args)
     return outs, (time.perf_counter() - called if _TIMING else 0.0)
 
 
@@ -293,8 +288,7 @@ def run_cpp(grads, tensors, symints, key, slot):  # type: ignore[no-untyped-def]
     node = run.nodes[slot]
     args, out_meta = spec.build(tensors, run.ints, run.floats, symints, node.captured)  # type: ignore[attr-defined]
     if run.autocast is None and not _TIMING:  # the common path: no extra frame
-        with _compat.ForceDispatchKeys(*run.keys):  # as in _call_backward
-            outs, backward = node.fn(list(grads), *args), 0.0  # type: ignore[misc]
+        outs, backward = node.fn(list(grads), *args), 0.0  # type: ignore[misc]
     else:
         outs, backward = _call_backward(run, node.fn, list(grads), *args)  # type: ignore[arg-type]
     result = _finish(spec, node, learned, outs, out_meta, grads, tensors, (_describe_cpp, args))
@@ -321,7 +315,14 @@ def run_python(grads, saved, symints, key, slot, hook):  # type: ignore[no-untyp
     run = _bound(spec)
     node, ctx = run.nodes[slot], run.hooks[hook]
     (positions,), out_meta = _rebuild(spec, saved, (), (), symints, node.captured)
-    outs, backward = _call_backward(run, _compat.call_backward, ctx, list(saved), *grads)
+    # Under the caller's dispatch keys, as eager's engine calls it: a compiled graph
+    # calls the op below autograd (AOTAutograd's runtime, the dispatcher's autograd
+    # fallback exclude the autograd keys), where a backward that differentiates
+    # something itself (torch.autograd.grad under enable_grad: an adjoint) would
+    # record no history. Python backwards only: it costs each of the backward's ops
+    # a pass through autograd (2-3 us a C++ node of the chain benchmark).
+    with _compat.ForceDispatchKeys(*run.keys):
+        outs, backward = _call_backward(run, _compat.call_backward, ctx, list(saved), *grads)
     for i, out in enumerate(outs):
         if out is not None and i not in positions:
             # The engine's own error for this case.
