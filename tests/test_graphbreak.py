@@ -125,6 +125,38 @@ def test_untraceable_helper_runs_opaque(kind):
     )
 
 
+@torch.library.custom_op("ca_dynsaved_tests::lookup_scale", mutates_args=())
+def lookup_scale(x: torch.Tensor, mode: str) -> torch.Tensor:
+    return x * x
+
+
+lookup_scale.register_fake(lambda x, mode: torch.empty_like(x))
+
+
+def _lookup_setup(ctx, inputs, output):
+    ctx.mode = inputs[1]
+    ctx.save_for_backward(inputs[0])
+
+
+def _lookup_backward(ctx, g):
+    (x,) = ctx.saved_tensors
+    return g * x * _refused_lookup(ctx.mode), None
+
+
+lookup_scale.register_autograd(_lookup_backward, setup_context=_lookup_setup)
+
+
+def test_register_autograd_backward_runs_opaque():
+    """A custom op's register_autograd backward: the user's, in a Function class
+    torch generates (torch's module, not one of torch's own functions)."""
+    step = _sized_step(lambda x, i: lookup_scale(x, "ab" if i % 2 else "abcdef"))
+    assert _stock(step, 6) == this_release(LOOKUP_STOCK)
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=6)
+    assert counts() == Counts(captures=1, compiles=2, graph_breaks=0)
+    node = ca_dynsaved.report().nodes[0]
+    assert node.opaque and node.reason.endswith(f"at {__file__}:{_LOOKUP_LINE} in _refused_lookup")
+
+
 def test_item_in_backward_runs_opaque():
     step = _sized_step(lambda x, i: ItemFn.apply(x))
     assert _stock(step, 6) == Counts(captures=1, compiles=7, graph_breaks=6)

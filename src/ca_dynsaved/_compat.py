@@ -296,6 +296,18 @@ def _break_frame(e: Exception) -> str:
     return f"{frame.filename}:{frame.lineno} in {frame.name}"
 
 
+#: Where ``register_autograd`` puts the autograd.Function it generates for a custom
+#: op (2.11 to 2.15): torch's module, around the user's backward.
+_GENERATED_AUTOGRAD_MODULE = "torch._library.autograd"
+
+
+def is_torch_own_function(cls: type) -> bool:
+    """A Python autograd.Function of torch itself (FSDP2's hooks, checkpointing), not
+    one a custom op's ``register_autograd`` generated around the user's backward."""
+    module = cls.__module__
+    return module.partition(".")[0] == "torch" and module != _GENERATED_AUTOGRAD_MODULE
+
+
 def dispatch_keys() -> tuple[Any, Any]:
     """The calling thread's local dispatch key sets: (included, excluded)."""
     return torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()

@@ -39,8 +39,9 @@ def break_reason(ctx: Any, saved: Sequence[Any]) -> str | None:
     """Why Dynamo would break the graph at (or fail on) this node's backward, None
     if it traces in one graph. torch's own
     functions (FSDP2's pre- and post-backward hooks, activation checkpointing) are
-    written for CA, some with a path of their own under it: they keep stock."""
-    if ctx._forward_cls.__module__.partition(".")[0] == "torch":
+    written for CA, some with a path of their own under it: they keep stock (a custom
+    op's ``register_autograd`` backward is the user's, in a class torch generates)."""
+    if _compat.is_torch_own_function(ctx._forward_cls):
         return None
     key = (ctx._forward_cls, tuple((name, type(value)) for name, value in vars(ctx).items()))
     if key not in _CACHE:
