@@ -248,3 +248,33 @@ def test_nested_autograd_in_an_opaque_backward_of_a_compiled_graph():
     run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=4)
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
     assert ca_dynsaved.report().nodes[0].opaque
+
+
+class SplitFn(torch.autograd.Function):
+    """Its backward returns two views of one buffer, as torchdiffeq's adjoint returns
+    its parameters' gradients."""
+
+    @staticmethod
+    def forward(ctx, a, b, mode):
+        ctx.mode = mode
+        return a * b
+
+    @staticmethod
+    def backward(ctx, g):
+        flat = torch.cat([g * _refused_lookup(ctx.mode), g * 2])
+        return flat[: g.numel()], flat[g.numel() :], None
+
+
+def test_outputs_that_alias_each_other_are_copied():
+    """A custom op may not return two aliasing outputs (an error where torch's
+    ``error_on_custom_op_aliasing`` is on, as in CI; a warning elsewhere)."""
+
+    def step(i):
+        a, b = (torch.linspace(-1.0, 1.0, 6, requires_grad=True) for _ in range(2))
+        SplitFn.apply(a * 2, b + i, "abc").sum().backward()
+        return a.grad, b.grad
+
+    with torch._functorch.config.patch(error_on_custom_op_aliasing=True):
+        run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=3)
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+    assert ca_dynsaved.report().nodes[0].opaque

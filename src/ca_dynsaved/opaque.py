@@ -383,9 +383,10 @@ def _finish(spec, node, learned, outs, out_meta, grads, tensors, describe):  # t
             continue
         out = out.contiguous()
         # A custom op may not return an alias of an input (a view, a detach, the
-        # tensor itself): a backward that returns its incoming grad on a run
-        # other than the first, or a saved tensor, costs a copy.
-        if _aliases(out, grads) or (tensors and _aliases(out, tensors)):
+        # tensor itself) or of another of its outputs: a backward that returns its
+        # incoming grad on a run other than the first, a saved tensor, or views of
+        # one buffer (torchdiffeq's adjoint: its parameters' grads) costs a copy.
+        if _aliases(out, grads) or (tensors and _aliases(out, tensors)) or (result and _aliases(out, result)):
             out = out.clone()
         result.append(out)
     return result
