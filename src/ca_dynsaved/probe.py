@@ -213,6 +213,13 @@ def _probe(
 
     probed = run_symbolic({f"ctx.{name}": hint for name, hint in numbers.items()}, backward)
     if probed.error is not None:
+        # Opaque either way. A number used as a dim, a length or an index fails at
+        # the stand-in value (a dim of 7 on a 2-d tensor); hinted with the real
+        # values, the same run usually names the number and its guard instead.
+        real = run_symbolic({f"ctx.{name}": getattr(ctx, name) for name in numbers}, backward)
+        if real.error is None and real.guards:
+            name, guard = real.guards[0]
+            return Verdict(False, f"{name} needs its value (guard {guard})", name[4:])
         e = probed.error
         return Verdict(False, f"the probe could not run its backward ({type(e).__name__}: {first_line(e)})")
     for name, guard in probed.guards:

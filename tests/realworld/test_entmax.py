@@ -5,8 +5,8 @@ with a learned alpha, ``Entmax15LossFunction``) define ``forward`` and ``backwar
 as classmethods. Stock CA cannot compile any of them: Dynamo's ``call_backward``
 asserts a plain function (``Expected FunctionType, got <class 'method'>``). The
 plugin runs them opaque: the first three because their ``ctx.dim`` (an int) is a
-dim argument (the probe's stand-in value fails the op), the loss, which saves no
-number, because Dynamo fails on its backward traced alone (graphbreak.py).
+dim argument (the symbolic probe finds its guard), the loss, which saves no number,
+because Dynamo fails on its backward traced alone (graphbreak.py).
 
 Quirk: none.
 """
@@ -45,7 +45,7 @@ def test_entmax_activations_and_loss() -> None:
     assert found == Counts(captures=1, compiles=2, graph_breaks=0)
     for name in ("Entmax15Function", "SparsemaxFunction", "EntmaxBisectFunction"):
         assert node(name).handling == "opaque"
-        assert node(name).reason.startswith("the probe could not run its backward (IndexError: Dimension out of range")
+        assert node(name).reason == "ctx.dim needs its value (guard Eq(ctx.dim, -1))"
     message = ": Expected FunctionType, got <class 'method'>"
     failure = this_release({"2.11": "", "2.13": message, "2.15": message})
     assert node("Entmax15LossFunction").reason == (
