@@ -17,7 +17,7 @@ import torch
 
 import ca_dynsaved
 
-RESULTS = Path(__file__).resolve().parent / "results" / "latest.json"
+from harness import RESULTS  # noqa: E402
 _collected: list[dict] = []
 
 

@@ -1,7 +1,12 @@
-"""Write benchmarks/RESULTS.md (and RESULTS.png where matplotlib is installed) from
-benchmarks/results/latest.json, which ``pytest benchmarks/ --benchmark-only`` writes.
+"""The benchmark tables and plot, from benchmarks/results/latest.json (which
+``pytest benchmarks/ --benchmark-only`` writes): rewrites the generated blocks of
+docs/benchmarks.md (every table) and README.md (the stock-vs-plugin summary) and, where
+matplotlib is installed (``pip install -e '.[plot]'``), writes docs/benchmarks.png.
 
     python benchmarks/report.py [results.json]
+
+tests/test_docs.py checks that the committed blocks are what this prints for the
+committed results.
 """
 
 from __future__ import annotations
@@ -10,7 +15,24 @@ import json
 import sys
 from pathlib import Path
 
+from ca_dynsaved import _docblocks
+
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+#: The generated blocks this writes: (file, the command named in its marker, the text).
+COMMAND = "python benchmarks/report.py"
+SUMMARY_COMMAND = COMMAND + " (summary)"
+PLOT = ROOT / "docs" / "benchmarks.png"
+#: The README's rows: (model, variant, what the model is, the custom function and how the plugin runs it).
+SUMMARY = (
+    ("mlp", "cpp", "MLP (matmul-bound)", "C++, `toDouble()` / `toInt()` reader: opaque"),
+    ("mlp", "hashed", "MLP", "C++, bool / str / list / dict values: opaque, 4 captures share a compile"),
+    ("mlp", "python", "MLP", "Python, ctx float and int: traced"),
+    ("elementwise", "cpp", "elementwise (fusion-sensitive)", "C++, `toDouble()` reader: opaque"),
+    ("elementwise", "cpp_sym", "elementwise", "C++, `toSymFloat()` reader: traced"),
+    ("elementwise", "cpp_direct", "elementwise", "C++, `toDouble()` reader opted in (`trace_cpp`, verify on): traced"),
+    ("elementwise", "python", "elementwise", "Python, ctx float: traced"),
+)
 
 
 MODELS = {
@@ -23,8 +45,9 @@ CONFIGS = ("eager", "stock_constant", "stock_varying", "plugin_varying", "plugin
 def table(data: dict) -> str:
     first = next(r for r in data["results"] if r.get("model") not in ("capture", "chain", "varying_batch"))
     lines = [
-        f"Total: the first {first['steps']} steps, compiles included; steady: the smallest "
-        f"of {first.get('passes', 3)} passes' median step, values still changing; backend "
+        f"Total: the first {first['steps']} steps from a fresh state, compiles included; steady: the smallest "
+        f"of {first.get('passes', 3)} interleaved passes' median step (each pass runs every config of a variant "
+        "in turn, each from a fresh state warmed past its compiles), values still changing; backend "
         f"{first['backend']}; torch {data['torch']}; {data['machine']}; {data['date']}. "
         "Ratios are against stock compiled autograd in the same run, with values that "
         "never change (stock_constant, the floor) and that change every step (stock_varying).",
@@ -145,7 +168,49 @@ def table(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rows(data: dict, model: str) -> dict[tuple[str, str], dict]:
+    return {(r["variant"], r["config"]): r for r in data["results"] if r.get("model") == model and "config" in r}
+
+
+def summary(data: dict) -> str:
+    """The README's table: for each main case, compiles and graph breaks (stock → plugin,
+    values new at every step) and the plugin's steady step against stock and eager."""
+    lines = [
+        f"Torch {data['torch']}, inductor, {data['machine']}, {data['date']}.",
+        "",
+        "| model | custom function: how the plugin runs it | compiles, stock → plugin | graph breaks, stock → plugin "
+        "| plugin step ÷ stock, values changing | ÷ stock, values constant | ÷ eager |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for model, variant, title, function in SUMMARY:
+        rows = _rows(data, model)
+        stock, plugin = rows[(variant, "stock_varying")], rows[(variant, "plugin_varying")]
+        constant, eager = rows[(variant, "stock_constant")], rows[(variant, "eager")]
+        lines.append(
+            f"| {title} | {function} | {stock['compiles']} → {plugin['compiles']} | {stock['breaks']} → {plugin['breaks']} | "
+            f"{plugin['steady_us'] / stock['steady_us']:.2f} | {plugin['steady_us'] / constant['steady_us']:.2f} | "
+            f"{plugin['steady_us'] / eager['steady_us']:.2f} |"
+        )
+    for r in (r for r in data["results"] if r.get("model") == "varying_batch"):
+        per_step = [n / r["warmup_steps"]["stock_varying"] for n in r["counts_at_warmup"]["stock_varying"]]
+        plugin = r["counts_at_warmup"]["plugin_varying"]
+        ms = r["steady_ms"]
+        lines.append(
+            f"| message passing, batch size new every step | C++ gathers saving sizes as an int list: "
+            f"{plugin[0]} captures, then plain autograd | {per_step[1]:g} a step → {plugin[1]} | "
+            f"{per_step[2]:g} a step → {plugin[2]} | {ms['plugin_varying'] / ms['stock_varying']:.3f} | "
+            f"{ms['plugin_varying'] / ms['stock_constant']:.2f} (one batch size) | {ms['plugin_varying'] / ms['eager']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+#: The plot's bars, in order, and their colours (stock grey/red, the plugin green).
+_BARS = (("eager", "#999999"), ("stock_constant", "#4c72b0"), ("stock_varying", "#c44e52"), ("plugin_varying", "#55a868"))
+
+
 def plot(data: dict, path: Path) -> bool:
+    """Steady step time per configuration, one panel per model, stock against the
+    plugin; False (no plot) without matplotlib."""
     try:
         import matplotlib
 
@@ -153,29 +218,45 @@ def plot(data: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    panels = sorted({(r.get("model", "mlp"), r["variant"]) for r in data["results"] if "step_s" in r})
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, (m, v) in zip(axes[0], panels):
-        for r in data["results"]:
-            if (r.get("model", "mlp"), r["variant"]) == (m, v) and "step_s" in r:
-                total, cumulative = 0.0, []
-                for t in r["step_s"]:
-                    total += t
-                    cumulative.append(total)
-                ax.plot(range(1, len(cumulative) + 1), cumulative, label=r["config"])
-        ax.set(title=f"{m} / {v}", xlabel="step", ylabel="cumulative seconds")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+    batch = next((r for r in data["results"] if r.get("model") == "varying_batch"), None)
+    panels = [m for m in MODELS if _rows(data, m)]
+    fig, axes = plt.subplots(1, len(panels) + bool(batch), figsize=(5.5 * (len(panels) + bool(batch)), 4.2), squeeze=False)
+    width = 0.8 / len(_BARS)
+    for ax, model in zip(axes[0], panels):
+        rows = _rows(data, model)
+        variants = [v for v in ("cpp", "cpp_sym", "cpp_direct", "python", "hashed") if (v, "eager") in rows]
+        for i, (config, colour) in enumerate(_BARS):
+            bars = ax.bar(
+                [j + (i - 1.5) * width for j in range(len(variants))],
+                [rows[(v, config)]["steady_us"] / 1e3 for v in variants],
+                width, label=config, color=colour,
+            )
+            ax.bar_label(bars, [str(rows[(v, config)]["compiles"]) for v in variants], fontsize=7)
+        ax.set_xticks(range(len(variants)), variants)
+        ax.set(title=f"{model}: steady step (on each bar: compiles)", ylabel="ms per step")
+    if batch:
+        ax = axes[0][-1]
+        configs = [c for c, _ in _BARS]
+        ax.bar(configs, [batch["steady_ms"][c] for c in configs], color=[c for _, c in _BARS])
+        ax.set_yscale("log")
+        ax.set(title="message passing, batch size new every step", ylabel="ms per step (log)")
+        ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle(f"torch {data['torch']}, inductor, {data['machine']}, {data['date']}", fontsize=9)
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=len(_BARS), fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
     return True
 
 
 def main(argv: list[str]) -> int:
     source = Path(argv[0]) if argv else HERE / "results" / "latest.json"
     data = json.loads(source.read_text())
-    (HERE / "RESULTS.md").write_text(table(data))
+    _docblocks.write(ROOT / "docs" / "benchmarks.md", COMMAND, table(data))
+    _docblocks.write(ROOT / "README.md", SUMMARY_COMMAND, summary(data))
+    print(summary(data))
     print(table(data))
-    print("wrote", HERE / "RESULTS.md", "and RESULTS.png" if plot(data, HERE / "RESULTS.png") else "(no matplotlib: no plot)")
+    print("wrote docs/benchmarks.md and README.md's generated blocks", "and" if plot(data, PLOT) else "(no matplotlib: no plot)", PLOT.relative_to(ROOT) if PLOT.exists() else "")
     return 0
 
 

@@ -6,19 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import cases, run_model
+from harness import run_model
 from models import COLS, ELEMENTWISE_VARIANTS, LAYERS, ROWS, Elementwise
 
 
-@pytest.mark.parametrize("variant,config", cases(ELEMENTWISE_VARIANTS))
-def test_elementwise(benchmark, bench_ext, full_run, record, variant, config):
+@pytest.mark.parametrize("variant", ELEMENTWISE_VARIANTS)
+def test_elementwise(benchmark, bench_ext, full_run, record, variant):
     torch.manual_seed(0)
     model = Elementwise(variant, bench_ext)
     x = torch.randn(ROWS, COLS)
-    result = run_model(benchmark, record, full_run, "elementwise", model, x, variant, config)
-    if config in ("plugin_varying", "plugin_opaque_varying", "plugin_trust_varying", "stock_constant"):
-        assert (result["compiles"], result["captures"]) == (1, 1)
-    if config == "plugin_varying":
-        # Traced: the Python function (auto), the toSym* C++ reader and the opted-in
-        # direct reader; the toDouble / toInt reader with hashed values stays opaque.
-        assert result["opaque_nodes"] == (LAYERS if variant == "cpp" else 0)
+    results = run_model(benchmark, record, full_run, "elementwise", model, x, variant)
+    for config, result in results.items():
+        if config in ("plugin_varying", "plugin_opaque_varying", "plugin_trust_varying", "stock_constant"):
+            assert (result["compiles"], result["captures"]) == (1, 1), config
+        if config == "plugin_varying":
+            # Traced: the Python function (auto), the toSym* C++ reader and the opted-in
+            # direct reader; the toDouble / toInt reader with hashed values stays opaque.
+            assert result["opaque_nodes"] == (LAYERS if variant == "cpp" else 0)

@@ -5,21 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import cases, run_model
+from harness import run_model
 from models import BATCH, DEPTH, MLP, VARIANTS, WIDTH
 
 
-@pytest.mark.parametrize("variant,config", cases(VARIANTS))
-def test_mlp(benchmark, bench_ext, full_run, record, variant, config):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_mlp(benchmark, bench_ext, full_run, record, variant):
     model = MLP(variant, bench_ext)
     torch.manual_seed(0)
-    result = run_model(benchmark, record, full_run, "mlp", model, torch.randn(BATCH, WIDTH), variant, config)
-    # Counts, not timings: with or without changing values, the backward compiles
-    # once (the 4 hashed combinations are 4 captures sharing one compiled graph).
-    if config in ("plugin_varying", "plugin_opaque_varying", "stock_constant"):
-        captures = 4 if (variant, config) == ("hashed", "plugin_varying") else 1
-        assert (result["compiles"], result["captures"]) == (1, captures)
-    if config == "plugin_varying":
-        # python_policy="auto": the Python activation's ctx numbers only reach tensor
-        # math, so it is traced; the C++ ones (toDouble/toInt readers) run opaque.
-        assert result["opaque_nodes"] == (0 if variant == "python" else DEPTH)
+    results = run_model(benchmark, record, full_run, "mlp", model, torch.randn(BATCH, WIDTH), variant)
+    for config, result in results.items():
+        # Counts, not timings: with or without changing values, the backward compiles
+        # once (the 4 hashed combinations are 4 captures sharing one compiled graph).
+        if config in ("plugin_varying", "plugin_opaque_varying", "stock_constant"):
+            captures = 4 if (variant, config) == ("hashed", "plugin_varying") else 1
+            assert (result["compiles"], result["captures"]) == (1, captures), config
+        if config == "plugin_varying":
+            # python_policy="auto": the Python activation's ctx numbers only reach tensor
+            # math, so it is traced; the C++ ones (toDouble/toInt readers) run opaque.
+            assert result["opaque_nodes"] == (0 if variant == "python" else DEPTH)

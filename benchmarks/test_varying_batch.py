@@ -125,6 +125,7 @@ def test_varying_batch(benchmark, full_run, record):
         "steady_ms": steady,
         "vs_eager": {c: steady[c] / steady["eager"] for c in CONFIGS},
         "counts_at_warmup": counts,
+        "warmup_steps": {c: stock_steps if c.startswith("stock") else warm for c in CONFIGS},
         "passes": PASSES,
         "plugin_capture_step_ms": capture_ms,
         # a try every FIRST_RETRY backwards at first: its extra cost per step

@@ -1,35 +1,77 @@
-"""The README's main job: the demo builds a real extension and prints both columns."""
+"""The README's main job: the demo builds a real extension and prints both columns;
+docs/report.md shows what it prints."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
+from pathlib import Path
 
 import cpp_ext
 import pytest
-from ca_dynsaved import demo
+from ca_dynsaved import _docblocks, demo
 
 #: The every-release subset (README, "Supported torch releases").
 pytestmark = pytest.mark.every_release
 
 
-def test_demo_prints_stock_vs_plugin(capsys):
-    rc = demo.main(
-        ["--backend", "aot_eager", "--steps", "10", "--build-dir", str(cpp_ext.BUILD_DIR / "demo")]
-    )
-    out = capsys.readouterr().out
+DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "report.md"
+COMMAND = demo.MARKDOWN_COMMAND
+
+
+@pytest.fixture(scope="module")
+def printed() -> tuple[int, str]:
+    """The demo's exit code and its Markdown, run once as the docs' command runs it
+    (default backend: inductor)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = demo.main(["--markdown", "--build-dir", str(cpp_ext.BUILD_DIR / "demo")])
+    return rc, out.getvalue()
+
+
+def _row(markdown: str, block: str, label: str) -> tuple[str, str]:
+    section = markdown[markdown.index(f"| {block} |"):]
+    return re.search(rf"\| {label} \| (\S+) \| (\S+) \|", section).groups()
+
+
+def test_demo_prints_stock_vs_plugin(printed):
+    rc, out = printed
     assert rc == 0
-
-    def row(block: str, label: str) -> list[str]:
-        section = out.split(block, 1)[1]
-        return re.search(rf"{label}\s+(\S+)\s+(\S+)", section).groups()
-
     # stock: one compile per value until the recompile limit (8) / a split graph.
-    assert row("traceable", "Dynamo compiles") == ("8", "1")
-    assert row("non-traceable", "Dynamo compiles") == ("3", "1")
-    assert row("non-traceable", "graph breaks") == ("2", "0")
-    assert row("traceable", "CA captures") == ("1", "1")
-    assert row("traceable", "grads == eager") == ("yes", "yes")
-    assert row("non-traceable", "grads == eager") == ("yes", "yes")
+    assert _row(out, "traceable", "Dynamo compiles") == ("8", "1")
+    assert _row(out, "non-traceable", "Dynamo compiles") == ("3", "1")
+    assert _row(out, "non-traceable", "graph breaks") == ("2", "0")
+    assert _row(out, "traceable", "CA captures") == ("1", "1")
+    assert _row(out, "traceable", "grads == eager") == ("yes", "yes")
+    assert _row(out, "non-traceable", "grads == eager") == ("yes", "yes")
+
+
+def _without_timings(markdown: str) -> str:
+    """Counts, handling and reasons: the header (torch build, date) and seconds dropped."""
+    lines = markdown.strip().splitlines()[1:]
+    return "\n".join(re.sub(r"\| total seconds \|.*", "| total seconds |", line) for line in lines)
+
+
+def test_docs_show_what_the_demo_prints(printed):
+    committed = _docblocks.read(DOCS_PAGE, COMMAND)
+    assert _without_timings(committed) == _without_timings(printed[1]), (
+        f"docs/report.md's demo output is stale: run `{COMMAND} --into docs/report.md`"
+    )
+
+
+def test_plain_table_has_the_same_rows():
+    results = {
+        name: {mode: demo.Column(compiles=8 if mode == "stock" else 1, captures=1, graph_breaks=0, seconds=1.5, grads_equal=True)
+               for mode in ("stock", "ca_dynsaved")}
+        for name in ("traceable", "non-traceable")
+    }
+    table = demo.format_table(results)
+    assert re.search(r"traceable\s+Dynamo compiles\s+8\s+1", table)
+    assert re.search(r"total seconds\s+1.50\s+1.50", table)
+    markdown = demo.format_markdown(results, "header", "the report")
+    assert _row(markdown, "traceable", "Dynamo compiles") == ("8", "1")
+    assert markdown.rstrip().endswith("the report\n```")
 
 
 def test_first_run_prints_no_numpy_warning():

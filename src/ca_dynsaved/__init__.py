@@ -11,6 +11,39 @@ Three entry points, one behaviour::
 
     torch._dynamo.config.compiled_autograd = True
     torch._dynamo.config.compiled_autograd_dynamic_saved_data = True
+
+Public names (each has its own ``help()``): ``enable`` (the entry point, options
+and all), ``report()`` / ``reset_report()`` (what the plugin did with each custom
+function, and why), ``reset()`` (a fresh process's compile state), ``self_check()``,
+``off_reason()``, ``install()`` / ``uninstall()`` (done on import / undo it), the
+``CONFIG_*`` names below, and the errors ``UndefinedGradError``,
+``UnsupportedTorchError`` (at import: an untested torch) and the warning
+``UntestedTorchWarning``.
+
+Config entries, registered on ``torch._dynamo.config`` at import (settable and
+patchable like torch's own; compile-ignored, so Dynamo's config hash is unchanged):
+
+* ``torch._dynamo.config.compiled_autograd_dynamic_saved_data`` (``CONFIG_FLAG``;
+  bool, default False): on, a CA context opened without ``enable`` (Dynamo's config
+  path, a direct ``compiled_autograd._enable``) captures with the plugin; off,
+  stock CA. Read each time such a context opens.
+* ``torch._dynamo.config.compiled_autograd_dynamic_saved_data_python_policy``
+  (``CONFIG_PYTHON_POLICY``; str, default "auto"): "auto", "opaque" or "stock", the
+  policy for Python ``autograd.Function`` nodes there and for
+  ``enable(python_policy=None)``.
+* ``torch._dynamo.config.compiled_autograd_dynamic_saved_data_trace_cpp``
+  (``CONFIG_TRACE_CPP``; tuple of str, default ()): C++ function-name substrings
+  opted into tracing, as ``enable(trace_cpp=...)``; used for ``trace_cpp=None``.
+* ``torch._dynamo.config.compiled_autograd_dynamic_saved_data_verify``
+  (``CONFIG_VERIFY``; bool, default True): as ``enable(verify=...)``; used for
+  ``verify=None``.
+
+Example::
+
+    with torch._dynamo.config.patch(compiled_autograd_dynamic_saved_data_python_policy="opaque"):
+        with ca_dynsaved.enable(backend="aot_eager"):
+            loss.backward()
+    print(ca_dynsaved.report())
 """
 
 from __future__ import annotations
@@ -29,7 +62,9 @@ from ._install import (  # noqa: E402
     off_reason,
     uninstall,
 )
+from ._compat import UnsupportedTorchError, UntestedTorchWarning  # noqa: E402
 from .enable import enable  # noqa: E402
+from .opaque import UndefinedGradError  # noqa: E402
 from .report import report, reset_report  # noqa: E402
 
 __version__ = "0.1.0"
@@ -46,12 +81,36 @@ __all__ = [
     "uninstall",
     "off_reason",
     "self_check",
+    "UndefinedGradError",
+    "UnsupportedTorchError",
+    "UntestedTorchWarning",
 ]
 
 
 def self_check() -> selfcheck.SelfCheckResult:
-    """Run the self-check (``ca_dynsaved.selfcheck``) on this torch. It resets
-    compile state before and after (``reset()``): call it before training."""
+    """Run the self-check (``ca_dynsaved.selfcheck``) on this torch: four steps of a
+    real training loop whose saved values change every step, through the demo's C++
+    function (traceable and not) and a Python ``autograd.Function``, under
+    ``enable(backend="aot_eager")``, compared with what every tested release gives
+    (1 CA capture, 1 Dynamo compile, no graph break, eager's gradients, each node's
+    handling). The first run on a torch build compiles the demo's C++ extension into
+    ``~/.cache/ca_dynsaved`` (about 25 s; needs g++ and ninja). It resets compile
+    state before and after (``reset()``): call it before training. Torch's counters
+    and the global random state are left as they were. Takes no arguments.
+
+    Returns:
+        ``SelfCheckResult``: ``.passed``, ``.differences`` (empty when passed; a
+        failed build or an exception in the loop is one), ``.counts``,
+        ``.handling``, ``.torch_version``; ``str()`` gives a one-line verdict.
+
+    Raises:
+        RuntimeError: the plugin is off in this process (``off_reason()``).
+
+    Example::
+
+        result = ca_dynsaved.self_check()
+        assert result.passed, str(result)
+    """
     if off_reason():
         raise RuntimeError(f"ca_dynsaved is off in this process: {off_reason()}")
     return selfcheck.run()
@@ -60,7 +119,15 @@ def self_check() -> selfcheck.SelfCheckResult:
 def reset() -> None:
     """Return to a fresh process's state: ``torch._dynamo.reset()`` (which drops
     every cached CA graph), then the plugin's registry, probe verdicts,
-    compiled-graph cache and report."""
+    compiled-graph cache and report. Takes no arguments and returns None; the
+    config entries and the plugin's installation are left as they are.
+
+    Example::
+
+        ca_dynsaved.reset()  # between experiments: no cached graph, an empty report
+        with ca_dynsaved.enable(backend="aot_eager"):
+            loss.backward()
+    """
     torch._dynamo.reset()
     _compat.clear_dynamic_scalars()
     opaque.clear()

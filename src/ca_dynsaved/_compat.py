@@ -32,11 +32,42 @@ ALLOW_UNTESTED_ENV = "CA_DYNSAVED_ALLOW_UNTESTED_TORCH"
 
 
 class UnsupportedTorchError(ImportError):
-    """torch is a release whose compiled-autograd internals were never verified."""
+    """torch is a release whose compiled-autograd internals were never verified.
+
+    Raised by ``import ca_dynsaved``, before anything is patched, when torch is not
+    a tested release (2.11 to 2.15; a nightly or a pre-release is not) and
+    ``CA_DYNSAVED_ALLOW_UNTESTED_TORCH=1`` is not set, or when torch lacks a
+    compiled-autograd name the plugin uses. The message names the version (and the
+    missing names). An ``ImportError``: the import fails, so catch it as that.
+    Takes the message as its one argument.
+
+    Example::
+
+        try:
+            import ca_dynsaved
+        except ImportError as e:  # UnsupportedTorchError: run without the plugin
+            ca_dynsaved = None
+    """
 
 
 class UntestedTorchWarning(UserWarning):
-    """An untested release the user allowed: what the self-check found."""
+    """An untested release the user allowed: what the self-check found.
+
+    Warned once by ``import ca_dynsaved`` on a torch that is not a tested release
+    when ``CA_DYNSAVED_ALLOW_UNTESTED_TORCH=1`` is set: the import runs the
+    self-check, and the plugin switches on if it passes; if not, it stays off
+    (``enable()`` and the config flag give stock compiled autograd) and the message
+    names what differed, as ``off_reason()`` does. Takes the message as its one
+    argument.
+
+    Example::
+
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import ca_dynsaved
+        untested = [w for w in caught if issubclass(w.category, ca_dynsaved.UntestedTorchWarning)]
+    """
 
 
 def _release(version: str) -> str | None:

@@ -31,12 +31,19 @@ import torch
 from . import _compat, payoff, pyctx
 from .compiler import DynSavedCompilerInstance
 
-#: Name of the config flag registered on ``torch._dynamo.config``.
+# The names of the config entries registered on ``torch._dynamo.config``: a str
+# carries no docstring, so each entry is documented in ``enable``'s docstring and the
+# package's ("Config entries").
+#: ``torch._dynamo.config.compiled_autograd_dynamic_saved_data`` (bool, default
+#: False): the plugin for CA contexts opened without ``enable`` (the config path).
 CONFIG_FLAG = "compiled_autograd_dynamic_saved_data"
-#: Config entry for the Python-function policy (``pyctx``), used by every entry point.
+#: ``..._python_policy`` (str, default "auto"): the Python-function policy
+#: (``pyctx``) of the config path and of ``enable(python_policy=None)``.
 CONFIG_PYTHON_POLICY = "compiled_autograd_dynamic_saved_data_python_policy"
-#: Config entries for ``enable(trace_cpp=..., verify=...)`` (``sentinel``).
+#: ``..._trace_cpp`` (tuple of str, default ()): C++ names opted into tracing
+#: (``sentinel``), for the config path and ``enable(trace_cpp=None)``.
 CONFIG_TRACE_CPP = "compiled_autograd_dynamic_saved_data_trace_cpp"
+#: ``..._verify`` (bool, default True): for the config path and ``enable(verify=None)``.
 CONFIG_VERIFY = "compiled_autograd_dynamic_saved_data_verify"
 _CONFIG_ENTRIES = {
     CONFIG_FLAG: (False, bool),
@@ -195,8 +202,19 @@ def _unregister_config() -> None:
 
 
 def install() -> None:
-    """Register the config entries and the ``_enable`` hook (done on import); a
-    no-op once the plugin is off."""
+    """Register the config entries (``CONFIG_*``, at their defaults), the log
+    ``TORCH_LOGS="ca_dynsaved"``, the ``_enable`` hook that gives Dynamo's config
+    path the plugin while ``CONFIG_FLAG`` is on, and the marking of resume functions.
+
+    Done on import, so only needed after ``uninstall()``. Takes no arguments and
+    returns None; idempotent; a no-op once the plugin is off (``off_reason()``).
+
+    Example::
+
+        ca_dynsaved.uninstall()
+        ...  # stock torch: no hook, no config entries
+        ca_dynsaved.install()
+    """
     with _lock:
         if _off:
             return
@@ -218,12 +236,41 @@ def switch_off(reason: str) -> None:
 
 
 def off_reason() -> str:
-    """Why the plugin is off in this process, or '' when it is on."""
+    """Why the plugin is off in this process, or '' when it is on.
+
+    It is off only on an untested torch allowed with
+    ``CA_DYNSAVED_ALLOW_UNTESTED_TORCH=1`` whose self-check failed at import: the
+    reason is that check's one-line verdict. Off, ``enable()`` and the config flag
+    give stock compiled autograd, ``install()`` does nothing and ``self_check()``
+    raises. Takes no arguments; returns a str.
+
+    Example::
+
+        if ca_dynsaved.off_reason():
+            print("stock compiled autograd:", ca_dynsaved.off_reason())
+    """
     return _off[0] if _off else ""
 
 
 def uninstall() -> None:
-    """Undo ``install()``: stock ``_enable``, no config entries, no plugin graphs cached."""
+    """Undo ``install()``: stock ``_enable`` (the config path gives stock CA), no
+    config entries (setting one then raises ``AttributeError``), no resume-function
+    marking, and no plugin graph left in the CA cache.
+
+    An explicit ``enable()`` still works after it (its None options take their
+    defaults). Takes no arguments and returns None; idempotent.
+
+    Raises:
+        RuntimeError: called inside an open compiled-autograd context.
+
+    Example::
+
+        ca_dynsaved.uninstall()
+        try:
+            run_stock_baseline()
+        finally:
+            ca_dynsaved.install()
+    """
     with _lock:
         if _modes:
             raise RuntimeError("ca_dynsaved.uninstall() inside an open compiled-autograd context")

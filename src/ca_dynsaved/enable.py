@@ -59,41 +59,84 @@ def _check(compile_: TorchCompile) -> None:
 class enable(contextlib.ContextDecorator):
     """Compiled autograd with saved ints/floats of custom functions as dynamic inputs.
 
-    ``compiler_fn`` is used as is (like ``torch._dynamo.compiled_autograd._enable``);
-    without it, each CA graph is compiled with ``torch.compile(graph,
-    backend=backend, mode=mode, options=options, dynamic=dynamic,
-    fullgraph=fullgraph)``, arguments that mean what they mean to ``torch.compile``
-    and are checked by it here, so a misspelt mode or option fails at ``enable()``
-    rather than in the first backward. ``mode="reduce-overhead"`` gives CUDA graphs:
-    the plugin's ops are tagged so that inductor never records them into one (README,
-    "GPU and CUDA graphs").
+    A context manager around ``.backward()`` or a decorator on a training step:
+    inside, backwards run under compiled autograd (CA) with the plugin, so new values
+    of a custom function's saved ints/floats (C++ ``ctx->saved_data``, Python
+    ``ctx.k``) never recompile the backward. ``with ... as e`` gives the object; it
+    may be re-entered and nested (a context holds a lock: two threads' contexts run
+    one after the other). Leaving the outermost one restores stock behaviour: CA's
+    global state is as before, and backwards run as they did (eager, or stock CA).
+    While the plugin is off (``off_reason()``) it gives stock compiled autograd.
 
-    ``dynamic``: None (the default) captures sizes symbolically, as
-    ``compiled_autograd._enable`` does, and lets ``torch.compile`` choose (automatic
-    dynamic); True or False is passed both to compiled autograd's capture and to
-    ``torch.compile``, as ``torch.compile(dynamic=...)`` passes it when
-    ``torch._dynamo.config.compiled_autograd`` is on. With ``compiler_fn``, only the
-    capture gets it.
+    Args:
+        compiler_fn: ``fn(torch.fx.GraphModule) -> callable``, used as is for each CA
+            graph (like ``torch._dynamo.compiled_autograd._enable``'s). Default None:
+            ``torch.compile(graph, backend=, mode=, options=, dynamic=, fullgraph=)``
+            with the arguments below, which mean what they mean to ``torch.compile``.
+        backend: ``torch.compile``'s backend, a name or callable. Default "inductor".
+        mode: ``torch.compile``'s mode. Default None. ``"reduce-overhead"`` gives CUDA
+            graphs; the plugin's ops are tagged so inductor never records them into one.
+        options: ``torch.compile``'s options (inductor config dict). Default None.
+        dynamic: None (default) captures sizes symbolically, as ``_enable`` does, and
+            lets ``torch.compile`` choose; True or False goes to both the capture and
+            ``torch.compile``, as ``torch.compile(dynamic=...)`` passes it on the
+            config path (with ``compiler_fn``, to the capture only).
+        fullgraph: ``torch.compile``'s fullgraph. Default False.
+        exclude: substrings of custom-function names whose nodes keep stock
+            behaviour (``"MyFunction"`` matches ``torch::autograd::CppNode<MyFunction>``
+            and a Python ``MyFunction``); a str is one name. Default ().
+        python_policy: for Python ``autograd.Function`` nodes: ``"auto"`` traces a
+            function whose ctx numbers only reach tensor math, numbers dynamic, and
+            runs one that would specialise on them opaque; ``"opaque"`` runs every
+            function with an int/float ctx attribute opaque (no fusion); under both,
+            a backward Dynamo cannot trace runs opaque too; ``"stock"`` leaves all
+            to stock CA. Default None: the config entry (itself "auto" by default).
+        trace_cpp: substrings of C++ function names whose backward, you assert, uses
+            its saved ints/doubles read with ``toInt()``/``toDouble()`` only as ATen
+            op arguments: traced and fused instead of run opaque, after a
+            two-sentinel check that refuses (with a warning) what it can see.
+            Default None: the config entry (itself () by default).
+        verify: for ``trace_cpp`` nodes, re-check each new tuple of saved values on
+            small tensors before the compiled graph uses it; a refused step runs the
+            node directly, eagerly. False trusts the assertion (a wrong one then
+            gives wrong gradients). Default None: the config entry (itself True).
 
-    Usable as a context manager around ``.backward()`` or as a decorator on a
-    training step; the same object may be re-entered and nested.
+    Raises:
+        TypeError: ``compiler_fn`` with a non-default ``backend``, ``mode``,
+            ``options`` or ``fullgraph`` (it replaces ``torch.compile``); an
+            ``exclude``/``trace_cpp`` entry that is not a non-empty str.
+        ValueError: an unknown ``python_policy``.
+        torch.compile's errors, at ``enable()`` rather than in the first backward:
+        ``RuntimeError`` for a misspelt mode or option, ``InvalidBackend``.
 
-    ``exclude``: substrings of custom-function names (``"MyFunction"`` matches
-    ``torch::autograd::CppNode<MyFunction>`` and a Python ``MyFunction``) whose
-    nodes keep stock behaviour. ``python_policy``: ``"auto"``, ``"opaque"`` or ``"stock"`` for
-    Python ``autograd.Function`` nodes (see ``ca_dynsaved.pyctx``); None reads
-    ``torch._dynamo.config.compiled_autograd_dynamic_saved_data_python_policy``.
+    Config entries (registered on import; the ``CONFIG_*`` constants hold the names;
+    read each time a context is entered):
+        ``torch._dynamo.config.compiled_autograd_dynamic_saved_data`` (bool, default
+            False): on, a CA context opened without ``enable`` (Dynamo's config path,
+            ``torch._dynamo.config.compiled_autograd = True``, or a direct
+            ``compiled_autograd._enable``) captures with the plugin; off: stock CA.
+        ``torch._dynamo.config.compiled_autograd_dynamic_saved_data_python_policy``
+            (str, default "auto"): the ``python_policy`` of the config path and of
+            ``enable(python_policy=None)``.
+        ``torch._dynamo.config.compiled_autograd_dynamic_saved_data_trace_cpp``
+            (tuple of str, default (); a str is one name): the ``trace_cpp`` of the
+            config path and of ``enable(trace_cpp=None)``.
+        ``torch._dynamo.config.compiled_autograd_dynamic_saved_data_verify``
+            (bool, default True): the ``verify`` of the config path and of
+            ``enable(verify=None)``.
 
-    ``trace_cpp``: substrings of C++ function names whose backward, you assert, uses
-    its saved ints/doubles read with ``toInt()``/``toDouble()`` only as ATen op
-    arguments: such nodes are traced and fused instead of run opaque, after a
-    two-sentinel check that refuses (with a warning) what it can see
-    (``ca_dynsaved.sentinel``). ``verify`` (on by default) re-checks each new
-    value of those nodes on small tensors before the compiled graph uses it, and runs
-    the step with the node called directly when the check refuses: what the
-    sentinels cannot see (a branch both take the same way) never gives a wrong
-    gradient. ``verify=False`` trusts the assertion and skips that cost. None reads
-    the config entries ``..._trace_cpp`` / ``..._verify``.
+    Example::
+
+        with ca_dynsaved.enable(backend="inductor", exclude=["MyFunction"]):
+            loss.backward()
+
+        @ca_dynsaved.enable(backend="aot_eager", trace_cpp=["ScaleFn"], verify=True)
+        def train_step(batch):
+            model(batch).sum().backward()
+
+        # the config path: torch.compile'd steps, no enable()
+        torch._dynamo.config.compiled_autograd = True
+        torch._dynamo.config.compiled_autograd_dynamic_saved_data = True
     """
 
     def __init__(

@@ -273,7 +273,26 @@ def _call_backward(run: _Run, fn: Callable[..., Any], *args: Any) -> tuple[Any, 
 
 # --- real impls ----------------------------------------------------------------------
 class UndefinedGradError(RuntimeError):
-    """A backward left a different set of gradients undefined than the graph expects."""
+    """A backward left a different set of gradients undefined than the graph expects.
+
+    Raised mid-backward by a custom-function node the plugin runs opaque (C++ or
+    Python) when, on a later step, its backward returns ``None`` where the
+    capture's first run returned a gradient (or the reverse), or a new tensor where
+    that run returned its incoming gradient as is: one compiled graph cannot
+    express an answer that depends on saved values. The message names the node,
+    the input and the saved values. Leaves reached before it may already hold their
+    gradient: drop that step. Fix: return a zero gradient instead of ``None``, a
+    new tensor (``grad * 1``) instead of the incoming one, or keep the node stock
+    with ``enable(exclude=[...])``. Takes the message as its one argument.
+
+    Example::
+
+        try:
+            with ca_dynsaved.enable():
+                loss.backward()
+        except ca_dynsaved.UndefinedGradError:
+            optimizer.zero_grad()  # drop this step
+    """
 
 
 @_compat.without_dynamo

@@ -242,6 +242,43 @@ class UncapturedRecord:
 
 @dataclass
 class Report:
+    """What ``ca_dynsaved.report()`` returns: what the plugin did with each custom
+    function since the last reset. One live object, updated by later backwards and
+    emptied by ``reset_report()``; ``to_dict()`` is a snapshot.
+
+    Attributes:
+        functions: dict, function name -> ``FunctionReport``: ``.name``, ``.kind``
+            ("C++" or "Python"), ``.handling`` ("traced-dynamic", "opaque" or
+            "stock"), ``.opaque``, ``.reason`` and ``.keys``: saved key / ctx
+            attribute -> ``KeyReport`` (``.key``, ``.kind``, ``.type``, ``.handling``:
+            "dynamic", "opaque", "reused" or "stock", ``.reason``, ``.fix``,
+            ``.values``: the first 8 distinct values, ``.more_values``: the count of
+            the others, ``.recompiles`` / ``.guard``: Dynamo recompiles its guard
+            caused, the newest guard, ``.compiles``).
+        nodes: list of ``NodeRecord``, one per custom-function node of each kept
+            capture: ``.name``, ``.opaque``, ``.keys``, ``.kinds``, ``.handling``,
+            ``.reason``.
+        captures: the newest 256 CA captures (``CaptureRecord``: ``.ca_id``,
+            ``.nodes``, ``.compiled``: "compiled" or "reused", ``.refused``: steps
+            ``verify`` ran a node opaque, ``.final_callbacks``).
+        dropped_captures: how many older captures were dropped.
+        uncaptured: graph structures run as plain autograd because no capture could
+            pay off (``UncapturedRecord``: ``.nodes``, ``.reason``, ``.backwards``).
+
+    Methods:
+        to_dict(): plain data (functions, captures, dropped_captures, uncaptured).
+        to_json(): ``to_dict()`` as JSON text (other values by ``repr``).
+        __str__(): the table ``print(report)`` shows, then a note per function and
+            key (reason, fix, the guard Dynamo recompiled on).
+
+    Example::
+
+        rep = ca_dynsaved.report()
+        print(rep)
+        handling = {n.name: n.handling for n in rep.nodes}
+        json_text = rep.to_json()
+    """
+
     captures: deque[CaptureRecord] = field(default_factory=lambda: deque(maxlen=MAX_CAPTURES))
     functions: dict[str, FunctionReport] = field(default_factory=dict)
     dropped_captures: int = 0  # older captures than those kept
@@ -249,9 +286,12 @@ class Report:
 
     @property
     def nodes(self) -> list[NodeRecord]:
+        """Every node of every kept capture, oldest first."""
         return [n for capture in self.captures for n in capture.nodes]
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (dicts, lists, values as seen): keys
+        ``functions``, ``captures``, ``dropped_captures``, ``uncaptured``."""
         return {
             "functions": [
                 asdict(f) | {"keys": [_key_dict(k) for k in f.keys.values()]}
@@ -272,9 +312,12 @@ class Report:
         }
 
     def to_json(self) -> str:
+        """``to_dict()`` as indented JSON; a value JSON cannot hold is its ``repr``."""
         return json.dumps(self.to_dict(), default=repr, indent=1)
 
     def __str__(self) -> str:
+        """The table (function, key, type, handling, compiles, values seen), then a
+        line per function and key: its reason, fix and the guard Dynamo named."""
         return format_table(self)
 
 
@@ -460,7 +503,18 @@ def _attribute_recompiles(rep: Report) -> None:
 
 def report() -> Report:
     """Every custom function the plugin has seen since the last reset, with its
-    saved keys / ctx attributes, their values, handling, reason and fix."""
+    saved keys / ctx attributes, their values, handling, reason and fix.
+
+    Takes no arguments. Returns the ``Report`` (see ``help(type(report()))``), with
+    Dynamo's recompiles of CA graphs attributed to the key or attribute whose
+    guard failed; the same object at every call, brought up to date.
+
+    Example::
+
+        with ca_dynsaved.enable(backend="aot_eager"):
+            loss.backward()
+        print(ca_dynsaved.report())  # or .to_dict(), .to_json(), .nodes
+    """
     _flush_pending()
     _attribute_recompiles(_REPORT)
     return _REPORT
@@ -487,6 +541,16 @@ def uncaptured(captures: int) -> UncapturedRecord:
 
 
 def reset_report() -> None:
+    """Empty the report (``report()``): its functions, captures and uncaptured
+    structures. Compiled graphs and caches stay: a backward whose graph is already
+    in the CA cache is not captured again, so it does not reappear in the report
+    (``reset()`` drops both, to start over). Takes no arguments and returns None.
+
+    Example::
+
+        print(ca_dynsaved.report())
+        ca_dynsaved.reset_report()  # e.g. after the warm-up steps
+    """
     _PENDING.clear()
     _REPORT.dropped_captures = 0
     _REPORT.captures.clear()

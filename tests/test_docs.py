@@ -1,0 +1,157 @@
+"""Docs that cannot go stale: the README stays short, every link resolves, every Python
+block of README.md and docs/ runs as written (or says why it cannot run here), and the
+tables a project command generates are what it prints for the committed results.
+
+The demo's block (docs/report.md) is checked by tests/test_demo.py, which runs the demo.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ca_dynsaved import _docblocks, demo
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [ROOT / "README.md", *DOCS]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import report as bench_report  # noqa: E402  (benchmarks/report.py)
+
+#: The pages the README promises (issue 25), each linked from it.
+TOPICS = (
+    "usage.md", "how-it-works.md", "python.md", "cpp.md", "report.md",
+    "benchmarks.md", "gpu.md", "distributed.md", "compatibility.md", "guarantees.md",
+)
+#: Commands whose blocks this file checks; the demo's is test_demo's.
+CHECKED_HERE = {bench_report.COMMAND, bench_report.SUMMARY_COMMAND}
+DEMO_COMMAND = demo.MARKDOWN_COMMAND
+_FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
+_NOT_RUN = re.compile(r"<!-- not run: (.*?) -->\s*$")
+
+
+def _python_blocks() -> list[tuple[Path, int, str, str | None]]:
+    """(page, line, code, why it is not run or None) of every ```python block."""
+    blocks = []
+    for page in PAGES:
+        text = page.read_text()
+        for m in _FENCE.finditer(text):
+            if m.group(1) != "python":
+                continue
+            before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+            skip = _NOT_RUN.search(before)
+            blocks.append((page, text.count("\n", 0, m.start()) + 1, m.group(2), skip and skip.group(1).strip()))
+    return blocks
+
+
+BLOCKS = _python_blocks()
+
+
+def test_readme_is_a_front_door():
+    text = (ROOT / "README.md").read_text()
+    assert len(text) <= 12_000, f"README.md is {len(text)} characters (at most 12,000: the depth goes in docs/)"
+    # the two set-up commands come first, pinned
+    first = text.split("\n## ", 1)[0]
+    assert "pip install torch==2.13.0 -e . && .venv/bin/python -m ca_dynsaved demo" in first
+    assert "pip install torch==2.13.0 -e '.[test]' && .venv/bin/python -m pytest tests benchmarks -q" in first
+    for topic in TOPICS:
+        assert (ROOT / "docs" / topic).is_file(), topic
+        assert f"(docs/{topic})" in text, f"README.md does not link docs/{topic}"
+
+
+def test_readme_test_command_is_what_ci_runs():
+    """CI runs "exactly the test command the README gives" (.ci/run's FULL)."""
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"-m pytest ([^`]+)`", readme).group(1)
+    assert f'FULL="{command}"' in (ROOT / ".ci" / "run").read_text()
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    text = _FENCE.sub("", page.read_text())
+    return {_slug(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_link_resolves(page):
+    text = _FENCE.sub("", page.read_text())
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    for link in links:
+        if re.match(r"https?://", link):
+            continue
+        target, _, anchor = link.partition("#")
+        path = (page.parent / target).resolve() if target else page
+        assert path.exists(), f"{page.name}: {link} (no {path})"
+        if anchor:
+            assert anchor in _anchors(path), f"{page.name}: {link} (no heading #{anchor} in {path.name})"
+
+
+def test_every_page_opens_with_what_a_user_does():
+    for page in DOCS:
+        opening = page.read_text().split("\n## ", 1)[0]
+        assert opening.startswith("# "), page.name
+        assert "What you" in opening, f"{page.name} should open with what a user does and sees"
+
+
+@pytest.mark.parametrize(
+    "page,line,code,not_run", BLOCKS, ids=[f"{p.name}:{line}" for p, line, _, _ in BLOCKS]
+)
+def test_python_block_runs_as_written(page, line, code, not_run, tmp_path):
+    if not_run is not None:
+        # the page says why; an empty reason is not one
+        assert len(not_run) > 20, f"{page.name}:{line}: 'not run' needs its reason"
+        compile(code, f"{page.name}:{line}", "exec")  # still valid Python
+        return
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, f"{page.name}:{line} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+
+
+def test_unrun_blocks_name_the_test_that_runs_them():
+    """A block is left unrun only where it needs what one process here lacks (ranks), and
+    its reason names the test that runs the same code: that test must exist."""
+    unrun = [(p, line, why) for p, line, _, why in BLOCKS if why is not None]
+    assert len(unrun) < len(BLOCKS) / 2
+    for page, line, why in unrun:
+        named = re.search(r"(tests/\w+\.py)(?:::(\w+))?", why)
+        assert named, f"{page.name}:{line}: the reason names no test: {why!r}"
+        source = (ROOT / named.group(1)).read_text()
+        assert named.group(2) is None or f"def {named.group(2)}(" in source, f"{page.name}:{line}: {why!r}"
+
+
+def test_generated_blocks_are_what_their_commands_print():
+    data = json.loads((ROOT / "benchmarks" / "results" / "latest.json").read_text())
+    expected = {bench_report.COMMAND: bench_report.table(data), bench_report.SUMMARY_COMMAND: bench_report.summary(data)}
+    seen = []
+    for page in PAGES:
+        for command in _docblocks.commands(page.read_text()):
+            assert command in CHECKED_HERE | {DEMO_COMMAND}, f"{page.name}: no test checks {command!r}"
+            seen.append(command)
+            if command in expected:
+                assert _docblocks.read(page, command) == expected[command].rstrip("\n") + "\n", (
+                    f"{page.name}: the block of {command!r} is stale: run `python benchmarks/report.py`"
+                )
+    assert sorted(seen) == sorted([*expected, DEMO_COMMAND])
+
+
+def test_benchmark_report_draws_its_plot(tmp_path):
+    data = json.loads((ROOT / "benchmarks" / "results" / "latest.json").read_text())
+    out = tmp_path / "plot.png"
+    assert bench_report.plot(data, out) is True  # matplotlib is in the test extra
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert bench_report.PLOT.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"]({bench_report.PLOT.name})" in (ROOT / "docs" / "benchmarks.md").read_text()
