@@ -17,7 +17,7 @@ import torch
 
 import ca_dynsaved
 
-from harness import RESULTS  # noqa: E402
+from harness import RESULTS, _fresh  # noqa: E402
 _collected: list[dict] = []
 
 
@@ -35,8 +35,7 @@ def full_run(request) -> bool:
 
 @pytest.fixture(autouse=True)
 def _fresh_state():
-    ca_dynsaved.reset()
-    torch._dynamo.utils.counters.clear()
+    _fresh()
     yield
     ca_dynsaved.reset()
 

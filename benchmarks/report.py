@@ -19,7 +19,7 @@ from ca_dynsaved import _docblocks
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-#: The generated blocks this writes: (file, the command named in its marker, the text).
+#: The commands named in the markers of the blocks this writes (docs/benchmarks.md, README.md).
 COMMAND = "python benchmarks/report.py"
 SUMMARY_COMMAND = COMMAND + " (summary)"
 PLOT = ROOT / "docs" / "benchmarks.png"
@@ -39,6 +39,8 @@ MODELS = {
     "mlp": "MLP 4x512, batch 64, 4 custom-function nodes (matmul-bound)",
     "elementwise": "elementwise, 3 layers of act(x * w + b) on 1024x1024, 3 custom-function nodes (fusion-sensitive)",
 }
+#: The order variants are shown in (tables and plot).
+VARIANTS = ("cpp", "cpp_sym", "cpp_direct", "python", "hashed")
 CONFIGS = ("eager", "stock_constant", "stock_varying", "plugin_varying", "plugin_opaque_varying", "plugin_trust_varying")
 
 
@@ -53,10 +55,10 @@ def table(data: dict) -> str:
         "never change (stock_constant, the floor) and that change every step (stock_varying).",
     ]
     for model, title in MODELS.items():
-        rows = {(r["variant"], r["config"]): r for r in data["results"] if r.get("model", "mlp") == model}
+        rows = _rows(data, model)
         if not rows:
             continue
-        variants = sorted({v for v, _ in rows}, key=["cpp", "cpp_sym", "cpp_direct", "python", "hashed"].index)
+        variants = sorted({v for v, _ in rows}, key=VARIANTS.index)
         lines += [
             "",
             f"Model: {title}.",
@@ -224,7 +226,7 @@ def plot(data: dict, path: Path) -> bool:
     width = 0.8 / len(_BARS)
     for ax, model in zip(axes[0], panels):
         rows = _rows(data, model)
-        variants = [v for v in ("cpp", "cpp_sym", "cpp_direct", "python", "hashed") if (v, "eager") in rows]
+        variants = [v for v in VARIANTS if (v, "eager") in rows]
         for i, (config, colour) in enumerate(_BARS):
             bars = ax.bar(
                 [j + (i - 1.5) * width for j in range(len(variants))],
@@ -252,10 +254,11 @@ def plot(data: dict, path: Path) -> bool:
 def main(argv: list[str]) -> int:
     source = Path(argv[0]) if argv else HERE / "results" / "latest.json"
     data = json.loads(source.read_text())
-    _docblocks.write(ROOT / "docs" / "benchmarks.md", COMMAND, table(data))
-    _docblocks.write(ROOT / "README.md", SUMMARY_COMMAND, summary(data))
-    print(summary(data))
-    print(table(data))
+    tables, short = table(data), summary(data)
+    _docblocks.write(ROOT / "docs" / "benchmarks.md", COMMAND, tables)
+    _docblocks.write(ROOT / "README.md", SUMMARY_COMMAND, short)
+    print(short)
+    print(tables)
     print("wrote docs/benchmarks.md and README.md's generated blocks", "and" if plot(data, PLOT) else "(no matplotlib: no plot)", PLOT.relative_to(ROOT) if PLOT.exists() else "")
     return 0
 

@@ -157,7 +157,7 @@ def format_table(results: dict[str, dict[str, Column]]) -> str:
 
 def format_markdown(results: dict[str, dict[str, Column]], header: str, report: str) -> str:
     """The same table as ``format_table`` and the report, as Markdown: what the docs
-    show (``docs/report.md``) is this output, and ``tests/test_docs.py`` checks that
+    show (``docs/report.md``) is this output, and ``tests/test_demo.py`` checks that
     its counts, handling and reasons are what the demo prints now."""
     lines = [
         f"`{MARKDOWN_COMMAND}` ({header}):",
