@@ -16,6 +16,9 @@ import ca_dynsaved
 from ca_dynsaved import _compat, payoff
 from models import COLS, TRACE_CPP, Elementwise, values
 
+#: A benchmark's quick mode (counts, not timings): the quick loop (docs/contributing.md) leaves it out.
+pytestmark = pytest.mark.slow
+
 CAPTURE_VARIANTS = ("cpp_sym", "cpp_direct", "python")
 
 

@@ -9,6 +9,9 @@ import torch
 from harness import run_model
 from models import COLS, ELEMENTWISE_VARIANTS, LAYERS, ROWS, Elementwise
 
+#: A benchmark's quick mode (counts, not timings): the quick loop (docs/contributing.md) leaves it out.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("variant", ELEMENTWISE_VARIANTS)
 def test_elementwise(benchmark, bench_ext, full_run, record, variant):

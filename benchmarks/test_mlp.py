@@ -8,6 +8,9 @@ import torch
 from harness import run_model
 from models import BATCH, DEPTH, MLP, VARIANTS, WIDTH
 
+#: A benchmark's quick mode (counts, not timings): the quick loop (docs/contributing.md) leaves it out.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_mlp(benchmark, bench_ext, full_run, record, variant):

@@ -35,6 +35,9 @@ import ca_dynsaved
 from ca_dynsaved import opaque
 from models import CHAIN_ELEMENTS, CHAIN_NODES, CHAIN_VARIANTS, chain_loss
 
+#: A benchmark's quick mode (counts, not timings): the quick loop (docs/contributing.md) leaves it out.
+pytestmark = pytest.mark.slow
+
 CONFIGS = ("eager", "stock_constant", "plugin_varying")
 PASSES = 5
 

@@ -11,10 +11,14 @@ from __future__ import annotations
 import gc
 import statistics
 
+import pytest
 import torch
 
 from harness import train
 from models import COLS, ROWS, Elementwise, values
+
+#: A benchmark's quick mode (counts, not timings): the quick loop (docs/contributing.md) leaves it out.
+pytestmark = pytest.mark.slow
 
 CONFIGS = ("stock_constant", "plugin_varying", "plugin_trust_varying")
 PASSES = 4

@@ -249,7 +249,8 @@ struct SymScaleFn : public Function<SymScaleFn<TRACE, MODE>> {
 };
 
 // Reads its saved numbers with plain toInt() / toDouble(), as most user code does,
-// and (MODE 0) uses them only as op arguments: enable(trace_cpp=...) may trace it.
+// and (MODE 0) uses them only as op arguments (alpha at two of them):
+// enable(trace_cpp=...) may trace it.
 // The other modes do what a sentinel check must refuse or verify must catch:
 // 1 a transformed double, 2 k % 2, 3 caps (std::min) both sentinels pass under,
 // 4 the double into leaky_relu (a Scalar-only op), 5 a branch on the double,
@@ -271,7 +272,8 @@ struct DirectFn : public Function<DirectFn<MODE>> {
     auto x = ctx->get_saved_variables()[0];
     at::Tensor gx;
     if constexpr (MODE == 0) {
-      gx = g[0] * x * alpha * static_cast<double>(k) + g[0] * beta;
+      // alpha at two ops: one lifted number, two uses in the traced graph
+      gx = g[0] * x * alpha * static_cast<double>(k) + g[0] * beta + g[0] * alpha;
     } else if constexpr (MODE == 1) {
       gx = g[0] * x * (2.0 * alpha) + g[0] * beta;
     } else if constexpr (MODE == 2) {

@@ -1,16 +1,8 @@
-"""One rank of the DDP tests (spawned by test_distributed.py)."""
+"""One rank's DDP runs (dist_worker runs them, spawned by test_distributed.py)."""
 
 from __future__ import annotations
 
-import functools
-import os
-import sys
-
 import torch
-
-sys.path.insert(0, os.path.dirname(__file__))
-
-import dist_worker  # noqa: E402
 
 STEPS = 8
 
@@ -100,15 +92,10 @@ def _train(rank: int, mode: str, same: bool) -> dict:
     }
 
 
-def run(rank: int, world: int, port: int, queue, modes: list[str], same: bool) -> None:
-    """Train once per mode, in this process: "eager", "stock" (stock CA around
-    backward), "plugin" (ca_dynsaved around backward), "compiled_config" (see
-    _train), or "cpp_reducer" (the plugin with DDP's C++ reducer, which CA refuses).
-    Puts {"rank", mode: result or {"error", "traceback"}}."""
-
-    def train(mode: str) -> dict:
-        # DDP picks its reducer when it is built: torch's default is the C++ one.
-        torch._dynamo.config.optimize_ddp = "ddp_optimizer" if mode == "cpp_reducer" else "python_reducer"
-        return _train(rank, mode, same)
-
-    dist_worker.serve(rank, world, port, queue, [(mode, functools.partial(train, mode)) for mode in modes])
+def train(rank: int, mode: str, same: bool) -> dict:
+    """Train once in ``mode``: "eager", "stock" (stock CA around backward), "plugin"
+    (ca_dynsaved around backward), "compiled_config" / "compiled_config_stock" (see
+    _train), or "cpp_reducer" (the plugin with DDP's C++ reducer, which CA refuses)."""
+    # DDP picks its reducer when it is built: torch's default is the C++ one.
+    torch._dynamo.config.optimize_ddp = "ddp_optimizer" if mode == "cpp_reducer" else "python_reducer"
+    return _train(rank, mode, same)

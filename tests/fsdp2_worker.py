@@ -1,20 +1,13 @@
-"""One rank of the FSDP2 tests (spawned by test_distributed.py): ``fully_shard`` on
-each Linear and on the root, a traceable C++, a Python and an opaque C++ custom
-function whose saved values change every step; one fresh model per case, all
-cases in this process, each case's eager twin first."""
+"""One rank's FSDP2 runs (dist_worker runs them, spawned by test_distributed.py):
+``fully_shard`` on each Linear and on the root, a traceable C++, a Python and an
+opaque C++ custom function whose saved values change every step; one fresh model
+per case, each case's eager twin first."""
 
 from __future__ import annotations
 
-import functools
-import os
-import sys
 from dataclasses import dataclass, replace
 
 import torch
-
-sys.path.insert(0, os.path.dirname(__file__))
-
-import dist_worker  # noqa: E402
 
 STEPS = 5
 
@@ -69,7 +62,7 @@ def _values(step: int) -> tuple[int, float]:
     return step % 3 + 1, 0.1 * (step + 1)
 
 
-def _train(rank: int, case: Case) -> dict:
+def train(rank: int, case: Case) -> dict:
     """Train a fresh model ``STEPS`` optimizer steps; return every loss, the
     gradients before each optimizer step, the final parameters, the optimizer's
     state (all as full tensors) and the counts."""
@@ -143,9 +136,3 @@ def _train(rank: int, case: Case) -> dict:
         "compiles": counters["stats"]["unique_graphs"],
         "graph_breaks": sum(counters["graph_break"].values()),
     }
-
-
-def run(rank: int, world: int, port: int, queue, cases: list[Case]) -> None:
-    """Train each case on this rank; put {"rank", case: result or {"error",
-    "traceback"}}."""
-    dist_worker.serve(rank, world, port, queue, [(case, functools.partial(_train, rank, case)) for case in cases])

@@ -164,6 +164,7 @@ def _untested_import(setup: str) -> dict:
     return json.loads(out.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow  # a fresh process and the self-check (the demo's extension)
 def test_untested_torch_allowed_runs_the_self_check_and_switches_on():
     state = _untested_import(_NIGHTLY)
     (warning,) = state["warnings"]
@@ -172,6 +173,7 @@ def test_untested_torch_allowed_runs_the_self_check_and_switches_on():
     assert state["compiles"] == 1  # the plugin at work: one compile for three values
 
 
+@pytest.mark.slow
 def test_untested_torch_failing_the_self_check_stays_off_and_says_why():
     state = _untested_import(_NIGHTLY + _FROZEN_SCALARS)
     (warning,) = state["warnings"]

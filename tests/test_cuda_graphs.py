@@ -39,6 +39,10 @@ from helpers import (
 )
 from test_python_ctx import pool
 
+#: The CPU side of the GPU module (test_gpu_cuda_graphs.py), on every release: the
+#: lent GPU machine's torch (2.11) runs the GPU side.
+pytestmark = pytest.mark.every_release
+
 
 def _cpp_apply(ext):
     return lambda x, i: ext.scale_traceable(x.sin(), *scale_args(i)).cos()

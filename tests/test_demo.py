@@ -8,7 +8,6 @@ import io
 import re
 from pathlib import Path
 
-import cpp_ext
 import pytest
 from ca_dynsaved import _docblocks, demo
 
@@ -23,10 +22,11 @@ COMMAND = demo.MARKDOWN_COMMAND
 @pytest.fixture(scope="module")
 def printed() -> tuple[int, str]:
     """The demo's exit code and its Markdown, run once as the docs' command runs it
-    (default backend: inductor)."""
+    (default backend: inductor; default build directory, which the self-check's
+    tests share: one build of the demo's extension per torch build)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = demo.main(["--markdown", "--build-dir", str(cpp_ext.BUILD_DIR / "demo")])
+        rc = demo.main(["--markdown"])
     return rc, out.getvalue()
 
 
@@ -35,6 +35,7 @@ def _row(markdown: str, block: str, label: str) -> tuple[str, str]:
     return re.search(rf"\| {label} \| (\S+) \| (\S+) \|", section).groups()
 
 
+@pytest.mark.slow  # the demo's run (inductor), and its extension's build
 def test_demo_prints_stock_vs_plugin(printed):
     rc, out = printed
     assert rc == 0
@@ -53,6 +54,7 @@ def _without_timings(markdown: str) -> str:
     return "\n".join(re.sub(r"\| total seconds \|.*", "| total seconds |", line) for line in lines)
 
 
+@pytest.mark.slow
 def test_docs_show_what_the_demo_prints(printed):
     committed = _docblocks.read(DOCS_PAGE, COMMAND)
     assert _without_timings(committed) == _without_timings(printed[1]), (
@@ -74,6 +76,7 @@ def test_plain_table_has_the_same_rows():
     assert markdown.rstrip().endswith("the report\n```")
 
 
+@pytest.mark.slow  # a fresh process
 def test_first_run_prints_no_numpy_warning():
     """torch.compile imports torch._subclasses.functional_tensor, which without numpy
     warns "Failed to initialize NumPy" on every first compile: the package requires

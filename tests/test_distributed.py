@@ -1,22 +1,35 @@
 """The plugin inside DistributedDataParallel and FSDP2: CPU processes, gloo,
-loopback; every rank compared with the same run in eager. Each launch trains
-every mode (case) once per rank in one process; every child is killed on timeout."""
+loopback; every rank compared with the same run in eager. One launch per world
+size trains every DDP mode and FSDP2 case once per rank, in one process per rank
+(dist_worker); every child is killed when a rank stops answering."""
 
 from __future__ import annotations
 
+import queue as queue_module
 import socket
-from typing import Any, Callable
+import time
+from typing import Any, Hashable, Sequence
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-import ddp_worker
-import fsdp2_worker
+import dist_worker
 from fsdp2_worker import Case
 from helpers import this_release
 
-TIMEOUT_S = 150
+#: Every test here spawns ranks: alone on the machine under xdist (conftest.py). DDP
+#: and FSDP2 run on every release (FSDP2's code differs by release; 2.11: its hooks
+#: are not disabled; stock CA's baselines differ too).
+pytestmark = [pytest.mark.serial, pytest.mark.every_release, pytest.mark.slow]
+
+#: The longest a rank may go without a word (a job started, or its results): one
+#: job's worst case on a loaded 2-core machine, the first one's imports and gloo
+#: set-up included (a job takes 1-5 s alone). A launch's budget so grows with the
+#: jobs it runs; a hang still fails, naming each rank's job.
+STALL_S = 300
+#: How often the parent looks for a rank that died without a word.
+_POLL_S = 2
 
 
 def _free_port() -> int:
@@ -25,36 +38,90 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(target: Callable[..., None], world: int, *args: Any) -> list[dict]:
-    """Run ``target(rank, world, port, queue, *args)`` on ``world`` ranks; kill them
-    all if any does not answer in time."""
+def _launch(world: int, jobs: Sequence[dist_worker.Job]) -> list[dict]:
+    """Run ``jobs`` on ``world`` ranks; per rank ``{"rank", key: result}``. Fails,
+    naming every rank's job, when a rank dies or says nothing for ``STALL_S``."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, queue, *args)) for r in range(world)]
+    port = _free_port()  # rank 0's: every rank connects to it
+    procs = [ctx.Process(target=dist_worker.run, args=(r, world, port, queue, jobs)) for r in range(world)]
     for p in procs:
         p.start()
+    results: dict[int, dict] = {}
+    doing: dict[int, Hashable] = dict.fromkeys(range(world), "starting")
+    last_word = time.monotonic()
+    exited: dict[int, int] = {}  # rank -> exit code, seen at the previous poll without its results
     try:
-        results = [queue.get(timeout=TIMEOUT_S) for _ in procs]
+        while len(results) < world:
+            try:
+                message = queue.get(timeout=_POLL_S)
+            except queue_module.Empty:
+                # a rank that has exited gets one more poll for its results to arrive
+                dead = {r: exited[r] for r in exited if r not in results}
+                exited = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode is not None and r not in results}
+                silent = time.monotonic() - last_word
+                assert not dead and silent < STALL_S, (
+                    f"{world}-rank launch of {len(jobs)} jobs: "
+                    + (f"ranks exited without their results {dead} (exit codes)" if dead else f"no rank said anything for {silent:.0f} s")
+                    + f"; each rank's job then: {doing}"
+                )
+                continue
+            last_word = time.monotonic()
+            if "started" in message:
+                doing[message["rank"]] = message["started"]
+            else:
+                results[message["rank"]] = message
+                doing[message["rank"]] = "done"
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
                 p.join()
-    for r in results:
+    for r in results.values():
         assert "error" not in r, r.get("traceback")
-    return sorted(results, key=lambda r: r["rank"])
+    return [results[r] for r in range(world)]
+
+
+# --- the two launches --------------------------------------------------------------
+#: DDP modes per world size: 2 ranks with saved values differing by rank, 4 ranks
+#: with the step under torch.compile (same values on every rank).
+DDP_2_RANKS = ("eager", "plugin", "cpp_reducer")
+DDP_4_RANKS = ("eager", "compiled_config_stock", "compiled_config")
+
+
+def _ddp_jobs(modes: Sequence[str], same: bool) -> list[dist_worker.Job]:
+    return [(("ddp", mode), "ddp_worker", (mode, same)) for mode in modes]
+
+
+def _fsdp2_jobs(cases: Sequence[Case]) -> list[dist_worker.Job]:
+    """Each case and its eager twin, each trained once."""
+    runs = dict.fromkeys(run for case in cases for run in (case.eager, case))
+    return [(run, "fsdp2_worker", (run,)) for run in runs]
 
 
 @pytest.fixture(scope="module")
-def ddp_2_ranks(ext) -> list[dict]:
-    return _launch(ddp_worker.run, 2, ["eager", "plugin", "cpp_reducer"], False)
+def two_ranks(ext) -> list[dict]:
+    return _launch(2, _ddp_jobs(DDP_2_RANKS, False) + _fsdp2_jobs([*_fsdp2_cases(FSDP2_CASES), *STOCK_CASES.values()]))
 
 
 @pytest.fixture(scope="module")
-def ddp_4_ranks_compiled(ext) -> list[dict]:
-    return _launch(ddp_worker.run, 4, ["eager", "compiled_config_stock", "compiled_config"], True)
+def four_ranks(ext) -> list[dict]:
+    return _launch(4, _ddp_jobs(DDP_4_RANKS, True) + _fsdp2_jobs(_fsdp2_cases(FSDP2_4_RANKS)))
+
+
+def _ddp(results: list[dict], modes: Sequence[str]) -> list[dict]:
+    return [{"rank": r["rank"], **{mode: r[("ddp", mode)] for mode in modes}} for r in results]
+
+
+@pytest.fixture(scope="module")
+def ddp_2_ranks(two_ranks) -> list[dict]:
+    return _ddp(two_ranks, DDP_2_RANKS)
+
+
+@pytest.fixture(scope="module")
+def ddp_4_ranks_compiled(four_ranks) -> list[dict]:
+    return _ddp(four_ranks, DDP_4_RANKS)
 
 
 def _ok(result: dict) -> dict:
@@ -187,20 +254,14 @@ def _fsdp2_cases(names: Any) -> list[Case]:
     return [FSDP2_CASES[n] for n in names if n != "manual finalization" or _fsdp2_has_manual_finalization()]
 
 
-def _launch_fsdp2(world: int, cases: list[Case]) -> list[dict[Case, dict]]:
-    """Per rank: case -> result, each case and its eager twin trained once."""
-    runs = list(dict.fromkeys(run for case in cases for run in (case.eager, case)))
-    return [{run: r[run] for run in runs} for r in _launch(fsdp2_worker.run, world, runs)]
+@pytest.fixture(scope="module")
+def fsdp2_2_ranks(two_ranks) -> list[dict[Case, dict]]:
+    return two_ranks
 
 
 @pytest.fixture(scope="module")
-def fsdp2_2_ranks(ext) -> list[dict[Case, dict]]:
-    return _launch_fsdp2(2, [*_fsdp2_cases(FSDP2_CASES), *STOCK_CASES.values()])
-
-
-@pytest.fixture(scope="module")
-def fsdp2_4_ranks(ext) -> list[dict[Case, dict]]:
-    return _launch_fsdp2(4, _fsdp2_cases(FSDP2_4_RANKS))
+def fsdp2_4_ranks(four_ranks) -> list[dict[Case, dict]]:
+    return four_ranks
 
 
 def _max_difference(got: Any, want: Any) -> float:
@@ -221,7 +282,6 @@ def _assert_trains_as_eager(got: dict, want: dict, what: str) -> None:
         )
 
 
-@pytest.mark.every_release  # FSDP2's code differs by release (2.11: hooks not disabled)
 @pytest.mark.parametrize("name", list(FSDP2_CASES))
 def test_fsdp2_trains_as_eager_fsdp2(fsdp2_2_ranks, name):
     """2 ranks, saved values changing every step: each rank's run equals its eager
@@ -238,7 +298,6 @@ def test_fsdp2_trains_as_eager_fsdp2(fsdp2_2_ranks, name):
     assert _counts(fsdp2_2_ranks, case) == {this_release(FSDP2_COUNTS[name])}
 
 
-@pytest.mark.every_release
 def test_fsdp2_4_ranks(fsdp2_4_ranks):
     """4 ranks, resharding after forward and not: as eager, same counts as 2 ranks."""
     for name in FSDP2_4_RANKS:
@@ -248,7 +307,6 @@ def test_fsdp2_4_ranks(fsdp2_4_ranks):
         assert _counts(fsdp2_4_ranks, case) == {this_release(FSDP2_COUNTS[name])}
 
 
-@pytest.mark.every_release  # a _compat path (README, "Supported torch releases")
 @pytest.mark.parametrize("name", list(STOCK_CASES))
 def test_fsdp2_stock_ca_drops_the_post_backward(fsdp2_2_ranks, name):
     """The defect the plugin fixes, as a baseline. Under stock compiled autograd

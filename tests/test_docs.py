@@ -59,7 +59,7 @@ def test_readme_is_a_front_door():
     # the two set-up commands come first, pinned
     first = text.split("\n## ", 1)[0]
     assert "pip install torch==2.13.0 -e . && .venv/bin/python -m ca_dynsaved demo" in first
-    assert "pip install torch==2.13.0 -e '.[test]' && .venv/bin/python -m pytest tests benchmarks -q" in first
+    assert "pip install torch==2.13.0 -e '.[test]' && .venv/bin/python -m pytest tests benchmarks -q -n 2" in first
     for topic in TOPICS:
         assert (ROOT / "docs" / topic).is_file(), topic
         assert f"(docs/{topic})" in text, f"README.md does not link docs/{topic}"
@@ -104,6 +104,7 @@ def test_every_page_opens_with_what_a_user_does():
         assert "What you" in opening, f"{page.name} should open with what a user does and sees"
 
 
+@pytest.mark.slow  # a fresh process per block
 @pytest.mark.parametrize(
     "page,line,code,not_run", BLOCKS, ids=[f"{p.name}:{line}" for p, line, _, _ in BLOCKS]
 )
@@ -133,6 +134,7 @@ def test_unrun_blocks_name_the_test_that_runs_them():
         assert named.group(2) is None or f"def {named.group(2)}(" in source, f"{page.name}:{line}: {why!r}"
 
 
+@pytest.mark.every_release  # _docblocks' reader, on every release
 def test_generated_blocks_are_what_their_commands_print():
     data = json.loads((ROOT / "benchmarks" / "results" / "latest.json").read_text())
     expected = {bench_report.COMMAND: bench_report.table(data), bench_report.SUMMARY_COMMAND: bench_report.summary(data)}

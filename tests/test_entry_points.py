@@ -66,6 +66,25 @@ def test_entry_points_give_the_same_counts(ext, kind):
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=frame_breaks(kind))
 
 
+def test_a_compiler_fn_replaces_torch_compile(ext):
+    """``enable(compiler_fn)``: the user's function compiles the CA graph, once for
+    every value, as ``torch._dynamo.compiled_autograd._enable(compiler_fn)`` would
+    call it for one."""
+    graphs = []
+
+    def compiler_fn(gm):
+        graphs.append(gm)
+        return torch.compile(gm, backend="aot_eager")
+
+    for i in range(STEPS):
+        x, loss = _forward(ext, i)
+        with ca_dynsaved.enable(compiler_fn):
+            loss.backward()
+        assert_grads_equal([x.grad], [_eager_grad(ext, i)])
+    assert len(graphs) == 1 and isinstance(graphs[0], torch.fx.GraphModule)
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+
+
 def test_config_path_never_compiles_the_plugin(ext):
     """Backward from a torch.compile'd frame runs with Dynamo's frame callback on:
     the plugin's own frames must not be compiled (a traced copy froze a saved int

@@ -11,6 +11,9 @@ from torch._dynamo.utils import counters
 import ca_dynsaved
 from helpers import ENTRY_POINTS, Counts, assert_grads_equal, counts, entry_point, frame_breaks, scale_args
 
+#: Runs of opaque nodes as one op (fuse.py), on every release.
+pytestmark = pytest.mark.every_release
+
 
 class PyScale(torch.autograd.Function):
     """Run opaque (python_policy="opaque"); its ctx number changes the gradient."""

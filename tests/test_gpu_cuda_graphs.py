@@ -28,10 +28,14 @@ import ca_dynsaved
 from helpers import Counts, assert_grads_equal, counts, scale_args, stock_enable
 from test_python_ctx import ScaleFn, pool
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="needs a CUDA GPU: run `bash tests/run_gpu.sh` on one (README, GPU and CUDA graphs)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA GPU: run `bash tests/run_gpu.sh` on one (README, GPU and CUDA graphs)",
+    ),
+    # collected (imported) on every release, run where there is a GPU
+    pytest.mark.every_release,
+]
 
 DEVICE = "cuda"
 STEPS = 12

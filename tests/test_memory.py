@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 
+import pytest
 import torch
 
 import ca_dynsaved
@@ -12,6 +13,9 @@ from ca_dynsaved import opaque, reuse
 from ca_dynsaved.report import MAX_CAPTURES, MAX_COUNTED, MAX_VALUES
 from helpers import Counts, assert_grads_equal, counts
 from test_python_ctx import ScaleFn
+
+#: Bounded state over long runs, on every release (the report's and the registry's caps).
+pytestmark = pytest.mark.every_release
 
 MIB = 2**20
 

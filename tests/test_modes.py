@@ -246,6 +246,7 @@ class _NanAt(torch.autograd.Function):
         return g * (float("nan") if ctx.k < 0 else ctx.k), None
 
 
+@pytest.mark.every_release
 @pytest.mark.parametrize("kind", ["opaque", "python"])
 def test_anomaly_mode_nan_check_as_stock(ext, kind):
     """Anomaly mode's NaN check (CA's NaN checker, which the plugin's runtime wrapper

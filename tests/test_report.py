@@ -130,6 +130,7 @@ def _run_snippet(torch_logs: str | None) -> str:
 
 
 @pytest.mark.every_release  # a _compat path (README, "Supported torch releases")
+@pytest.mark.slow  # fresh processes
 def test_log_artifact():
     info = _run_snippet("ca_dynsaved")
     assert re.search(
@@ -154,6 +155,7 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # the CLI: fresh processes
 def test_run_compare_prints_both_columns():
     out = _run_cli("--backend", "aot_eager", "--compare", str(SCRIPT), "6")
     assert out.returncode == 0, out.stderr
@@ -174,6 +176,7 @@ def test_run_compare_prints_both_columns():
     assert len(row("wall seconds")) == 2
 
 
+@pytest.mark.slow  # the CLI: fresh processes
 def test_run_keeps_the_scripts_exit_code():
     out = _run_cli("--backend", "aot_eager", str(SCRIPT), "2", "3")
     assert out.returncode == 3
@@ -183,6 +186,7 @@ def test_run_keeps_the_scripts_exit_code():
     assert out.returncode == 3
 
 
+@pytest.mark.slow  # the CLI: fresh processes
 def test_run_reports_a_failing_script(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("raise ValueError('boom')\n")
@@ -205,6 +209,7 @@ def test_values_seen_are_distinct_and_bounded():
     assert key.more_values == MAX_COUNTED
 
 
+@pytest.mark.every_release
 def test_values_seen_in_bulk_match_one_by_one():
     """see_all (the runtime's batched path) records what see() would, value by value:
     the same values kept, the same count, NaN once, bools apart from ints."""
@@ -220,6 +225,7 @@ def test_values_seen_in_bulk_match_one_by_one():
     assert bulk.more_values == one.more_values == MAX_COUNTED
 
 
+@pytest.mark.every_release
 def test_observed_runs_are_seen_when_the_report_is_read():
     """CaptureRecord.observe keeps a run's plain values for a batched look, which any
     read of the report (or a full batch) makes first; any other ctx value is seen at
@@ -262,6 +268,7 @@ class ArrayCtxFn(torch.autograd.Function):
         return g * ctx.k * float(ctx.weights.sum()), None, None
 
 
+@pytest.mark.every_release
 def test_report_records_values_that_do_not_compare(ext):
     """The report compares the values it records without ever raising: an array's
     ``==`` gives an array (``in`` would raise "truth value ... is ambiguous" in the

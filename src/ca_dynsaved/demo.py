@@ -58,6 +58,14 @@ at::Tensor gated_act(at::Tensor x, double beta, int64_t gain) {
 """
 
 
+def default_build_dir() -> Path:
+    """Where the demo and the self-check build this extension, once per torch build
+    (its commit and CUDA version; a nightly's version string names no build): one
+    build serves both commands."""
+    build = f"{torch.version.git_version[:12]}-{torch.version.cuda or 'cpu'}"
+    return Path.home() / ".cache" / "ca_dynsaved" / f"demo_ext-{build}"
+
+
 def build_extension(build_dir: str | os.PathLike[str], verbose: bool = False) -> ModuleType:
     from torch.utils.cpp_extension import load_inline
 
@@ -178,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument(
         "--build-dir",
-        default=str(Path.home() / ".cache" / "ca_dynsaved" / f"demo_ext-torch-{torch.__version__}"),
+        default=str(default_build_dir()),
         help="where the C++ extension is built (reused when unchanged)",
     )
     parser.add_argument(

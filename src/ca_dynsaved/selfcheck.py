@@ -16,7 +16,8 @@ eager's, each node handled as above. The plugin switches on only if every one ho
 otherwise it stays off (stock compiled autograd) and the warning names what differed.
 
 ``python -m ca_dynsaved selfcheck`` runs the same check on any torch. The C++
-extension is built once per torch build (about 25 s) into ``~/.cache/ca_dynsaved``.
+extension is built once per torch build (about 25 s) into ``~/.cache/ca_dynsaved``, where
+the demo builds it too (``demo.default_build_dir``).
 """
 
 from __future__ import annotations
@@ -77,20 +78,13 @@ class _SelfCheckScale(torch.autograd.Function):
         return g * ctx.k * ctx.scale, None, None
 
 
-def default_build_dir() -> Path:
-    """Per torch build (its commit and CUDA version), not per version string: a
-    nightly's version names no build."""
-    build = f"{torch.version.git_version[:12]}-{torch.version.cuda or 'cpu'}"
-    return Path.home() / ".cache" / "ca_dynsaved" / f"selfcheck-{build}"
-
-
 def run(build_dir: str | os.PathLike[str] | None = None) -> SelfCheckResult:
     """Run the check with the plugin installed. It starts and ends from a fresh
     compile state (``ca_dynsaved.reset()``: ``torch._dynamo.reset()``, the plugin's
     caches and report), so call it before compiling anything; torch's counters and
     the global random state are left as they were."""
     import ca_dynsaved
-    from .demo import build_extension
+    from .demo import build_extension, default_build_dir
 
     result = SelfCheckResult(torch.__version__)
     saved_counters = copy.deepcopy(dict(_compat.counters))

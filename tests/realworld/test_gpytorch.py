@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 
 from helpers import Counts
 from loops import compare, node
+
+#: A real library's training runs: the quick loop (docs/contributing.md) leaves them out.
+pytestmark = pytest.mark.slow
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # its import-time deprecation notices

@@ -22,6 +22,9 @@ import torch
 from helpers import Counts, this_release
 from loops import compare, node
 
+#: A real library's training runs: the quick loop (docs/contributing.md) leaves them out.
+pytestmark = pytest.mark.slow
+
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "pkg_resources is deprecated", UserWarning)
     from pytorch_wavelets import DWTForward, DWTInverse

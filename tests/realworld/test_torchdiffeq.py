@@ -23,6 +23,9 @@ from helpers import Counts, this_release
 from loops import compare, node
 from torchdiffeq import odeint_adjoint
 
+#: A real library's training runs: the quick loop (docs/contributing.md) leaves them out.
+pytestmark = pytest.mark.slow
+
 STEPS = 6
 
 
@@ -37,12 +40,19 @@ class _Dynamics(torch.nn.Module):
 
 #: schedule -> stock counts, per release (measured)
 STOCK = {
-    "constant": {"2.11": Counts(1, 56, 25), "2.13": Counts(1, 57, 27), "2.15": Counts(1, 41, 8)},
-    "annealed": {"2.11": Counts(1, 68, 35), "2.13": Counts(1, 64, 34), "2.15": Counts(1, 48, 10)},
+    "constant": {
+        "2.11": Counts(1, 56, 25), "2.12": Counts(1, 57, 27), "2.13": Counts(1, 57, 27),
+        "2.14": Counts(1, 57, 27), "2.15": Counts(1, 41, 8),
+    },
+    "annealed": {
+        "2.11": Counts(1, 68, 35), "2.12": Counts(1, 69, 37), "2.13": Counts(1, 64, 34),
+        "2.14": Counts(1, 64, 34), "2.15": Counts(1, 48, 10),
+    },
 }
 
 
-@pytest.mark.parametrize("schedule", ["constant", "annealed"])
+# constant on every release: the probe's failure path and aliasing outputs' copies
+@pytest.mark.parametrize("schedule", [pytest.param("constant", marks=pytest.mark.every_release), "annealed"])
 def test_neural_ode_adjoint(schedule: str) -> None:
     torch.manual_seed(0)
     dynamics = _Dynamics()
