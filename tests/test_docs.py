@@ -28,6 +28,7 @@ import report as bench_report  # noqa: E402  (benchmarks/report.py)
 TOPICS = (
     "usage.md", "how-it-works.md", "python.md", "cpp.md", "report.md",
     "benchmarks.md", "gpu.md", "distributed.md", "compatibility.md", "guarantees.md",
+    "contributing.md",
 )
 #: Commands whose blocks this file checks; the demo's is test_demo's.
 CHECKED_HERE = {bench_report.COMMAND, bench_report.SUMMARY_COMMAND}
