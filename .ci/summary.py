@@ -1,8 +1,8 @@
 """The end of .ci/run: each stage's time, the tests per release, the 15 slowest tests.
 
-    python3 .ci/summary.py OUT_DIR
+    python3 .ci/summary.py OUT_DIR [TOTAL_SECONDS]
 
-OUT_DIR holds ``stages.tsv`` (torch, install s, waited s, pytest s, outcome; written
+OUT_DIR holds ``stages.tsv`` (torch, installer, install s, pytest s, outcome; written
 by .ci/run) and ``junit-<torch>.xml`` per stage. A test's time is its setup, call and
 teardown (pytest's JUnit default): a module's first test carries the fixtures the
 module shares (a launch of ranks, the demo's run).
@@ -16,10 +16,12 @@ SLOWEST = 15
 
 out = Path(sys.argv[1])
 print("\n=== stages (seconds) ===")
-print(f"{'torch':<8} {'install':>7} {'waited':>6} {'pytest':>6}  outcome")
+print(f"{'torch':<8} {'install':>11} {'pytest':>6}  outcome")
 for line in (out / "stages.tsv").read_text().splitlines():
-    torch, install, waited, took, outcome = line.split("\t")
-    print(f"{torch:<8} {install:>7} {waited:>6} {took:>6}  {outcome}")
+    torch, installer, install, took, outcome = line.split("\t")
+    print(f"{torch:<8} {installer:>3} {install:>7} {took:>6}  {outcome}")
+if len(sys.argv) > 2:
+    print(f"whole run: {int(sys.argv[2])} s")
 
 total = {"passed": 0, "failed": 0, "skipped": 0}
 timings = []
