@@ -21,12 +21,11 @@ The activation is ``y = gain * x * sigmoid(beta * x)``, negated when ``flip``, w
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from types import ModuleType
 
 import torch
-from torch.utils.cpp_extension import load_inline
+from ca_dynsaved.demo import load_cpp
 
 # One build per torch release: load_inline reuses a build by source hash alone.
 BUILD_DIR = Path(__file__).resolve().parent.parent / ".ext_build" / f"torch-{torch.__version__}" / "bench"
@@ -38,7 +37,6 @@ ELEMENTWISE_VARIANTS = ("cpp", "cpp_sym", "cpp_direct", "python")
 TRACE_CPP = ("DirectSchedAct",)
 
 CPP_SOURCE = r"""
-#include <torch/extension.h>
 using namespace torch::autograd;
 
 struct SchedAct : public Function<SchedAct> {
@@ -159,14 +157,10 @@ at::Tensor tiny_alias_traceable(at::Tensor x, int64_t a, int64_t b, double s, do
 
 
 def build_extension() -> ModuleType:
-    os.makedirs(BUILD_DIR, exist_ok=True)
-    return load_inline(
-        name="ca_dynsaved_bench_ext", cpp_sources=CPP_SOURCE, functions=[
-            "sched_act", "sym_sched_act", "direct_sched_act", "tiny", "tiny_alias", "tiny_traceable",
-            "tiny_alias_traceable",
-        ],
-        build_directory=str(BUILD_DIR),
-    )
+    return load_cpp("ca_dynsaved_bench_ext", CPP_SOURCE, [
+        "sched_act", "sym_sched_act", "direct_sched_act", "tiny", "tiny_alias", "tiny_traceable",
+        "tiny_alias_traceable",
+    ], BUILD_DIR)
 
 
 class PyAct(torch.autograd.Function):

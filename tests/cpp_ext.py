@@ -8,18 +8,16 @@ except ``SymScaleFn``'s, which reads them with ``toSymInt()`` / ``toSymFloat()``
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from types import ModuleType
 
 import torch
-from torch.utils.cpp_extension import load_inline
+from ca_dynsaved.demo import load_cpp
 
 # One build per torch release: load_inline reuses a build by source hash alone.
 BUILD_DIR = Path(__file__).resolve().parent.parent / ".ext_build" / f"torch-{torch.__version__}"
 
 CPP_SOURCE = r"""
-#include <torch/extension.h>
 using namespace torch::autograd;
 
 // Saves 2 ints and 2 doubles in saved_data; every one changes the gradient.
@@ -392,12 +390,4 @@ FUNCTIONS = [
 
 def load(verbose: bool = False) -> ModuleType:
     """Build (or reuse, when the source is unchanged) and import the extension."""
-    build = BUILD_DIR / "ca_dynsaved_test_ext"
-    os.makedirs(build, exist_ok=True)
-    return load_inline(
-        name="ca_dynsaved_test_ext",
-        cpp_sources=CPP_SOURCE,
-        functions=FUNCTIONS,
-        build_directory=str(build),
-        verbose=verbose,
-    )
+    return load_cpp("ca_dynsaved_test_ext", CPP_SOURCE, FUNCTIONS, BUILD_DIR / "ca_dynsaved_test_ext", verbose)
