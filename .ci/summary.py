@@ -16,7 +16,7 @@ SLOWEST = 15
 
 out = Path(sys.argv[1])
 print("\n=== stages (seconds) ===")
-print(f"{'torch':<8} {'install':>11} {'pytest':>6}  outcome")
+print(f"{'torch':<8} {'by':>3} {'install':>7} {'pytest':>6}  outcome")
 for line in (out / "stages.tsv").read_text().splitlines():
     torch, installer, install, took, outcome = line.split("\t")
     print(f"{torch:<8} {installer:>3} {install:>7} {took:>6}  {outcome}")
