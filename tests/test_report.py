@@ -77,6 +77,7 @@ def test_stock_cpp_node_names_the_guarded_key(ext):
     assert "toSymInt" in function.keys["a"].fix
 
 
+@pytest.mark.every_release  # Report.to_json: no other test reaches it
 def test_python_bool_report_says_two_compiles_and_why():
     run_loop(leaf_grad_step(lambda x, i: BranchFn.apply(x, i % 2 == 0)), lambda: ca_dynsaved.enable(backend="aot_eager"))
     rep = ca_dynsaved.report()
@@ -155,6 +156,7 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.every_release  # run.py and __main__: no other test reaches them
 @pytest.mark.slow  # the CLI: fresh processes
 def test_run_compare_prints_both_columns():
     out = _run_cli("--backend", "aot_eager", "--compare", str(SCRIPT), "6")
@@ -176,6 +178,7 @@ def test_run_compare_prints_both_columns():
     assert len(row("wall seconds")) == 2
 
 
+@pytest.mark.every_release  # run.py and __main__: no other test reaches them
 @pytest.mark.slow  # the CLI: fresh processes
 def test_run_keeps_the_scripts_exit_code():
     out = _run_cli("--backend", "aot_eager", str(SCRIPT), "2", "3")
@@ -186,6 +189,7 @@ def test_run_keeps_the_scripts_exit_code():
     assert out.returncode == 3
 
 
+@pytest.mark.every_release  # run.py and __main__: no other test reaches them
 @pytest.mark.slow  # the CLI: fresh processes
 def test_run_reports_a_failing_script(tmp_path):
     bad = tmp_path / "bad.py"
