@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import ca_dynsaved
-from ca_dynsaved import _compat, payoff
+from ca_dynsaved import payoff
+from ca_dynsaved._compat.capture import clear_ca_cache
 from models import COLS, TRACE_CPP, Elementwise, values
 
 #: A benchmark's quick mode (counts, not timings): the quick loop (docs/contributing.md) leaves it out.
@@ -30,7 +31,7 @@ def _capture_s(model: Elementwise, x: torch.Tensor, variant: str, plugin: bool, 
     for p in model.parameters():
         p.grad = None
     loss = model(x, *values(variant, step, True))
-    _compat.clear_ca_cache()
+    clear_ca_cache()
     # A capture at every backward is the point here: keep the plugin from taking
     # this structure off compiled autograd after recompile_limit of them (payoff.py).
     payoff.clear()

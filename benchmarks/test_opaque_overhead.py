@@ -16,7 +16,7 @@ Variants: ``cpp`` (4 lifted numbers a node), ``cpp_alias`` (its backward returns
 its incoming gradient as is: a copy each run), ``python`` (2 ctx numbers).
 
 Explaining the figure, never the figure: the plugin's own work inside the ops
-(``opaque.timing``), the user's backward call, the runtime wrapper's share, and
+(``binding.timing``), the user's backward call, the runtime wrapper's share, and
 one call of an op declared like the plugin's with an impl that does nothing."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import ca_dynsaved
-from ca_dynsaved import opaque
+from ca_dynsaved import binding
 from models import CHAIN_ELEMENTS, CHAIN_NODES, CHAIN_VARIANTS, chain_loss
 
 #: A benchmark's quick mode (counts, not timings): the quick loop (docs/contributing.md) leaves it out.
@@ -125,7 +125,7 @@ def test_opaque_overhead(benchmark, bench_ext, full_run, record, variant):
         if not full_run:
             return
         x = torch.randn(CHAIN_ELEMENTS, requires_grad=True)
-        with opaque.timing() as totals:
+        with binding.timing() as totals:
             for step in range(steps):
                 _step_s(bench_ext, variant, "plugin_varying", x, step)
         calls = totals["calls"]

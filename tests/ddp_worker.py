@@ -70,18 +70,18 @@ def _train(rank: int, mode: str, same: bool) -> dict:
         opt.zero_grad()
     torch._dynamo.config.compiled_autograd = False
     setattr(torch._dynamo.config, ca_dynsaved.CONFIG_FLAG, False)
-    from ca_dynsaved import _compat
+    from ca_dynsaved._compat.dynamo import compilation_metrics
 
     # Dynamo's compiles of CA graphs have compile ids "!<capture>/..."
     ca_compiles = sum(
-        1 for m in _compat.compilation_metrics() if str(m.compile_id or "").startswith("!") and not m.fail_reason
+        1 for m in compilation_metrics() if str(m.compile_id or "").startswith("!") and not m.fail_reason
     )
     return {
         "rank": rank,
         "ca_compiles": ca_compiles,
         "recompile_reasons": [
             (str(m.compile_id), (m.recompile_reason or "")[:300])
-            for m in _compat.compilation_metrics()
+            for m in compilation_metrics()
             if m.recompile_reason
         ],
         "grads": grads,

@@ -60,6 +60,16 @@ def stock_enable(
     )
 
 
+def stock_counts(step_fn: Callable[[int], tuple[Any, ...]], steps: int) -> Counts:
+    """Stock CA's counts for ``steps`` steps of ``step_fn`` (each checked against
+    eager), then a fresh process's state again for what the test runs next."""
+    run_loop(step_fn, stock_enable, steps=steps)
+    found = counts()
+    ca_dynsaved.reset()
+    counters.clear()
+    return found
+
+
 def assert_grads_equal(got: Iterable[Any], want: Iterable[Any], equal_nan: bool = False) -> None:
     for g, w in zip(got, want, strict=True):
         if w is None:

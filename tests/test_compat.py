@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import ca_dynsaved
-from ca_dynsaved import _compat, selfcheck
+from ca_dynsaved import _compat, compiler, selfcheck
+from ca_dynsaved._compat import runtime_wrapper as wrapper_compat
 
 #: The every-release subset (README, "Supported torch releases").
 pytestmark = pytest.mark.every_release
@@ -212,20 +213,20 @@ def test_self_check_names_what_differed(monkeypatch):
 
 def test_runtime_wrapper_copy_is_active_and_follows_sizes(ext, monkeypatch):
     """On every tested release the plugin's copy of stock CA's runtime wrapper
-    (``_compat.sizes_made_once``) is the one that runs (stock's source matches), and
+    (``_compat.runtime_wrapper.sizes_made_once``) is the one that runs (stock's source matches), and
     a batch size that changes gets a size tensor of its own: gradients equal eager's;
     one recompile when the leaf's size first changes (its shape is a graph input:
     automatic dynamic, as under stock), none after."""
     from helpers import Counts, counts, scale_args
 
     matched: list[bool] = []
-    made = _compat.sizes_made_once
+    made = wrapper_compat.sizes_made_once
 
     def spy(runtime_wrapper):  # type: ignore[no-untyped-def]
-        matched.append(_compat._is_stock_runtime_wrapper(runtime_wrapper.__code__))
+        matched.append(wrapper_compat._is_stock_runtime_wrapper(runtime_wrapper.__code__))
         return made(runtime_wrapper)
 
-    monkeypatch.setattr(_compat, "sizes_made_once", spy)
+    monkeypatch.setattr(compiler, "sizes_made_once", spy)
 
     def grads(ctx_factory):  # type: ignore[no-untyped-def]
         out = []

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ca_dynsaved
-from ca_dynsaved.opaque import UndefinedGradError
+from ca_dynsaved import UndefinedGradError
 from helpers import Counts, counts, leaf_grad_step, run_loop
 
 #: The every-release subset (README, "Supported torch releases").
@@ -117,9 +117,9 @@ def test_create_graph_double_backward_matches_eager(ext):
 def test_unexpected_layout_falls_back_to_stock(ext, variant, monkeypatch):
     """A torch whose CppNode call layout differs (simulated): the node is traced as
     stock CA traces it, gradients stay right, and the report says why."""
-    from ca_dynsaved import _compat
+    from ca_dynsaved._compat import layout
 
-    monkeypatch.setattr(_compat, "CPP_NODE_TRAILING_ARGS", _compat.CPP_NODE_TRAILING_ARGS + 1)
+    monkeypatch.setattr(layout, "CPP_NODE_TRAILING_ARGS", layout.CPP_NODE_TRAILING_ARGS + 1)
 
     def step(i: int):
         x = torch.linspace(-1.0, 1.0, 8, requires_grad=True)
@@ -137,25 +137,25 @@ def test_unexpected_layout_falls_back_to_stock(ext, variant, monkeypatch):
 
 def test_cpp_call_is_parsed_once_into_a_record_that_round_trips(ext, monkeypatch):
     """CA's packed C++ call arguments are parsed once, where the capture receives
-    them, into ``_compat.CppCall``; the record gives back CA's layout unchanged, and
+    them, into ``_compat.layout.CppCall``; the record gives back CA's layout unchanged, and
     the node's parts are where the C++ code put them (4 saved numbers, one saved
     tensor, one forward output)."""
-    from ca_dynsaved import _compat
+    from ca_dynsaved._compat import layout
 
     parses: list[Any] = []
-    parse = _compat.CppCall.parse
+    parse = layout.CppCall.parse
 
     def counting(args):
         parses.append(args)
         return parse(args)
 
-    monkeypatch.setattr(_compat.CppCall, "parse", staticmethod(counting))
+    monkeypatch.setattr(layout.CppCall, "parse", staticmethod(counting))
     x = torch.linspace(-1.0, 1.0, 8, requires_grad=True)
     with ca_dynsaved.enable(backend="aot_eager"):
         ext.scale_traceable(x * 2, 3, 1, 0.5, 2.0).sum().backward()
     (args,) = parses  # one custom-function node, parsed once
     call = parse(args)
-    assert call.name == _compat.cpp_node_name(args) and call.name.startswith("torch::autograd::CppNode<")
+    assert call.name == layout.cpp_node_name(args) and call.name.startswith("torch::autograd::CppNode<")
     kinds = {key: type(value) for key, value in zip(call.keys, call.values)}
     assert kinds == {"a": torch.SymInt, "b": torch.SymInt, "s": torch.SymFloat, "t": torch.SymFloat}
     assert len(call.saved) == 1 and isinstance(call.saved[0], torch.Tensor)

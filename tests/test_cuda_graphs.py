@@ -24,7 +24,7 @@ from torch._inductor.utils import (
 
 import ca_dynsaved
 from ca_dynsaved import opaque
-from ca_dynsaved._compat import no_ca
+from ca_dynsaved._compat.capture import no_ca
 from helpers import (
     ENTRY_POINTS,
     Counts,

@@ -9,7 +9,7 @@ import inspect
 import pytest
 
 import ca_dynsaved
-from ca_dynsaved import _compat, opaque
+from ca_dynsaved import _compat, outputs
 from ca_dynsaved.report import Report
 
 CONFIG_NAMES = [name for name in ca_dynsaved.__all__ if name.startswith("CONFIG_")]
@@ -39,7 +39,7 @@ def test_public_names_listed():
 
 
 def test_errors_exported_as_themselves():
-    assert ca_dynsaved.UndefinedGradError is opaque.UndefinedGradError
+    assert ca_dynsaved.UndefinedGradError is outputs.UndefinedGradError
     assert ca_dynsaved.UnsupportedTorchError is _compat.UnsupportedTorchError
     assert ca_dynsaved.UntestedTorchWarning is _compat.UntestedTorchWarning
 

@@ -11,7 +11,8 @@ import torch
 import torch._dynamo.compiled_autograd as ca
 
 import ca_dynsaved
-from ca_dynsaved import _compat, _install
+from ca_dynsaved import _install
+from ca_dynsaved._compat import capture
 from helpers import (
     ENTRY_POINTS,
     STEPS,
@@ -240,7 +241,7 @@ def test_install_uninstall_symmetric_and_idempotent(ext):
     ca_dynsaved.uninstall()
     ca_dynsaved.uninstall()
     try:
-        assert ca._enable is _compat.stock_enable
+        assert ca._enable is capture.stock_enable
         assert not hasattr(config, ca_dynsaved.CONFIG_FLAG)
         assert ca_dynsaved.CONFIG_FLAG not in config.get_config_copy()
         assert ContinueExecutionCache.__dict__["generate"].__func__ is stock_generate

@@ -15,7 +15,7 @@ from torch.autograd import Variable
 
 import ca_dynsaved
 
-from ca_dynsaved import _compat
+from ca_dynsaved._compat import engine
 from helpers import ENTRY_POINTS, Counts, counts, entry_point, frame_breaks, stock_enable
 from test_python_ctx import ScaleFn
 
@@ -181,7 +181,7 @@ def test_other_threads_keep_the_engine():
 
     @torch.compiler.disable
     def blocking_hook(g):
-        assert isinstance(Variable._execution_engine, _compat._PluginEngine)
+        assert isinstance(Variable._execution_engine, engine._PluginEngine)
         started.set()
         assert release.wait(30)
         return g

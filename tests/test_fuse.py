@@ -9,6 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import ca_dynsaved
+from ca_dynsaved import opaque
 from helpers import ENTRY_POINTS, Counts, assert_grads_equal, counts, entry_point, frame_breaks, scale_args
 
 #: Runs of opaque nodes as one op (fuse.py), on every release.
@@ -59,11 +60,11 @@ def _multi_twice(ext, x, k):
 
 
 CASES = {
-    # name: (model, opaque nodes, of them folded into a previous one)
-    "alternating": (_alternating, 5, 4),
-    "with_matmul": (_with_matmul, 3, 1),
-    "with_passthrough": (_with_passthrough, 3, 0),
-    "multi_twice": (_multi_twice, 2, 1),
+    # name: (model, opaque nodes, of them folded into a previous one, chains)
+    "alternating": (_alternating, 5, 4, 1),
+    "with_matmul": (_with_matmul, 3, 1, 1),
+    "with_passthrough": (_with_passthrough, 3, 0, 0),
+    "multi_twice": (_multi_twice, 2, 1, 1),
 }
 
 
@@ -79,7 +80,7 @@ def _grads(ext, case: str, k: int, backward) -> list[torch.Tensor | None]:
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 def test_runs_of_opaque_nodes(ext, case, entry):
-    _, nodes, folded = CASES[case]
+    _, nodes, folded, chains = CASES[case]
     options = {} if entry == "config" else {"python_policy": "opaque"}
     with torch._dynamo.config.patch(**{ca_dynsaved.CONFIG_PYTHON_POLICY: "opaque"}):
         with entry_point(entry, **options) as backward:
@@ -89,6 +90,8 @@ def test_runs_of_opaque_nodes(ext, case, entry):
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=frame_breaks(entry))
     ours = counters["ca_dynsaved"]
     assert (ours["opaque_nodes"], ours["fused_opaque_nodes"]) == (nodes, folded)
+    # One chain op, and one registered plan, per run (not one per fold).
+    assert opaque.chain_count() == chains
 
 
 def test_create_graph_through_a_run(ext):

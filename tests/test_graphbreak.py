@@ -17,6 +17,8 @@ from helpers import (
     entry_point,
     frame_breaks,
     run_loop,
+    scale_args,
+    stock_counts,
     stock_enable,
     this_release,
 )
@@ -88,14 +90,6 @@ def _sized_step(apply, sizes=(5, 7, 9)):
     return step
 
 
-def _stock(step, steps: int) -> Counts:
-    run_loop(step, stock_enable, steps=steps)
-    found = counts()
-    ca_dynsaved.reset()
-    counters.clear()
-    return found
-
-
 LOOKUP = _sized_step(lambda x, i: LookupFn.apply(x, "ab" if i % 2 else "abcdef"))
 #: Stock CA's counts for LOOKUP over 6 steps (measured).
 LOOKUP_STOCK = {"2.11": Counts(1, 9, 7), "2.12": Counts(1, 9, 7)} | dict.fromkeys(("2.13", "2.14", "2.15"), Counts(1, 8, 6))
@@ -107,7 +101,7 @@ def test_untraceable_helper_runs_opaque(kind):
     """Stock breaks the graph at the helper, and recompiles the pieces as sizes
     change; the plugin: no break, the sizes' compiles only (a static graph, then a
     dynamic one), gradients equal eager under every entry point."""
-    assert _stock(LOOKUP, 6) == this_release(LOOKUP_STOCK)
+    assert stock_counts(LOOKUP, 6) == this_release(LOOKUP_STOCK)
     with entry_point(kind) as backward:
         for i in range(6):
             x, x_e = (torch.linspace(-1.0, 1.0, (5, 7, 9)[i % 3], requires_grad=True) for _ in range(2))
@@ -150,7 +144,7 @@ def test_register_autograd_backward_runs_opaque():
     """A custom op's register_autograd backward: the user's, in a Function class
     torch generates (torch's module, not one of torch's own functions)."""
     step = _sized_step(lambda x, i: lookup_scale(x, "ab" if i % 2 else "abcdef"))
-    assert _stock(step, 6) == this_release(LOOKUP_STOCK)
+    assert stock_counts(step, 6) == this_release(LOOKUP_STOCK)
     run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=6)
     assert counts() == Counts(captures=1, compiles=2, graph_breaks=0)
     node = ca_dynsaved.report().nodes[0]
@@ -159,7 +153,7 @@ def test_register_autograd_backward_runs_opaque():
 
 def test_item_in_backward_runs_opaque():
     step = _sized_step(lambda x, i: ItemFn.apply(x))
-    assert _stock(step, 6) == Counts(captures=1, compiles=7, graph_breaks=6)
+    assert stock_counts(step, 6) == Counts(captures=1, compiles=7, graph_breaks=6)
     run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=6)
     assert counts() == Counts(captures=1, compiles=2, graph_breaks=0)
     node = ca_dynsaved.report().nodes[0]
@@ -190,7 +184,7 @@ def test_traceable_backward_keeps_stock_and_is_traced_once():
 
 
 def test_stock_policy_keeps_the_break():
-    assert _stock(LOOKUP, 6) == this_release(LOOKUP_STOCK)
+    assert stock_counts(LOOKUP, 6) == this_release(LOOKUP_STOCK)
     run_loop(LOOKUP, lambda: ca_dynsaved.enable(backend="aot_eager", python_policy="stock"), steps=6)
     assert counts() == this_release(LOOKUP_STOCK)
     assert counters["ca_dynsaved"]["dynamo_probes"] == 0
@@ -248,6 +242,32 @@ def test_nested_autograd_in_an_opaque_backward_of_a_compiled_graph():
     run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=4)
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
     assert ca_dynsaved.report().nodes[0].opaque
+
+
+def test_dispatch_keys_read_only_where_a_python_node_runs_opaque(ext, monkeypatch):
+    """The caller's dispatch keys are read once per backward of a graph with a Python
+    opaque node (its backward runs under them), never for a graph whose opaque nodes
+    are all C++; gradients equal eager's both ways."""
+    from ca_dynsaved import binding
+
+    reads: list[int] = []
+    keys = binding.dispatch_keys
+    monkeypatch.setattr(binding, "dispatch_keys", lambda: reads.append(1) or keys())
+
+    def cpp_step(i):
+        x = torch.linspace(-1.0, 1.0, 6, requires_grad=True)
+        ext.scale_opaque(x * 2, *scale_args(i)).sum().backward()
+        return (x.grad,)
+
+    def python_step(i):
+        x = torch.linspace(-1.0, 1.0, 6, requires_grad=True)
+        AdjointFn.apply(x * 2, torch.full((6,), 0.5 + i), "abcd").sum().backward()
+        return (x.grad,)
+
+    run_loop(cpp_step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=3)
+    assert reads == [] and ca_dynsaved.report().nodes[0].opaque
+    run_loop(python_step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=3)
+    assert len(reads) == 3
 
 
 class SplitFn(torch.autograd.Function):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ca_dynsaved
-from ca_dynsaved.opaque import UndefinedGradError
+from ca_dynsaved import UndefinedGradError
 from helpers import Counts, counts
 
 #: The opaque op's pass-through paths, on every release.

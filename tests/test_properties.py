@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ca_dynsaved
-from ca_dynsaved.opaque import UndefinedGradError
+from ca_dynsaved import UndefinedGradError
 from helpers import Counts, assert_grads_equal, counts
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ca_dynsaved
-from ca_dynsaved.opaque import UndefinedGradError
+from ca_dynsaved import UndefinedGradError
 from helpers import (
     ENTRY_POINTS,
     STEPS,
@@ -20,6 +20,7 @@ from helpers import (
     frame_breaks,
     leaf_grad_step,
     run_loop,
+    stock_counts,
     stock_enable,
 )
 
@@ -361,10 +362,7 @@ class TensorAttributeFn(torch.autograd.Function):
 
 def _stock_then_plugin(step, steps: int = 5) -> Counts:
     """Stock's counts over ``steps``; then the plugin's run from a fresh state."""
-    run_loop(step, stock_enable, steps=steps)
-    stock = counts()
-    ca_dynsaved.reset()
-    torch._dynamo.utils.counters.clear()
+    stock = stock_counts(step, steps)
     run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=steps)
     return stock
 

@@ -1,7 +1,7 @@
 """An opaque backward's gradients go through what the engine's validate_outputs does
 (a cast to the input's dtype, a sum down to its shape) on every run, as in eager,
 also once the op skips that call for outputs the first run's call kept as they were
-(``opaque._kept``): a later run that returns another dtype or shape is validated."""
+(``outputs._kept``): a later run that returns another dtype or shape is validated."""
 
 from __future__ import annotations
 

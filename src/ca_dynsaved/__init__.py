@@ -52,6 +52,7 @@ from . import _compat  # noqa: F401  (version check first)
 
 import torch  # noqa: E402
 
+from ._compat.dynamic_state import clear_dynamic_scalars  # noqa: E402
 from . import cpptrace, graphbreak, opaque, payoff, probe, reuse, selfcheck, sentinel  # noqa: E402
 from ._install import (  # noqa: E402
     CONFIG_FLAG,
@@ -64,7 +65,7 @@ from ._install import (  # noqa: E402
 )
 from ._compat import UnsupportedTorchError, UntestedTorchWarning  # noqa: E402
 from .enable import enable  # noqa: E402
-from .opaque import UndefinedGradError  # noqa: E402
+from .outputs import UndefinedGradError  # noqa: E402
 from .report import report, reset_report  # noqa: E402
 
 __version__ = "0.1.0"
@@ -129,7 +130,7 @@ def reset() -> None:
             loss.backward()
     """
     torch._dynamo.reset()
-    _compat.clear_dynamic_scalars()
+    clear_dynamic_scalars()
     opaque.clear()
     payoff.clear()
     probe.clear()

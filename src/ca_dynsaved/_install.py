@@ -28,8 +28,21 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _compat, payoff, pyctx
+from ._compat.capture import (
+    ca,
+    ca_cache_is_empty,
+    clear_ca_cache,
+    counters,
+    stock_enable,
+    swap_enable,
+    swap_instance_class,
+)
+from ._compat.config import register_config_entry, register_torch_log, unregister_config_entry
+from ._compat.dynamic_state import patch_resume_functions
+from ._compat.engine import gating_backwards
+from . import payoff, pyctx
 from .compiler import DynSavedCompilerInstance
+from .decision import Options
 
 # The names of the config entries registered on ``torch._dynamo.config``: a str
 # carries no docstring, so each entry is documented in ``enable``'s docstring and the
@@ -59,10 +72,7 @@ class Mode:
     """How CA captures: stock, or the plugin with its options."""
 
     plugin: bool
-    exclude: frozenset[str] = frozenset()
-    python_policy: str = pyctx.AUTO
-    trace_cpp: frozenset[str] = frozenset()
-    verify: bool = True
+    options: Options = Options()
 
 
 STOCK = Mode(plugin=False)
@@ -86,7 +96,7 @@ def plugin_mode(
         trace_cpp = frozenset(_names(getattr(config, CONFIG_TRACE_CPP, ()), CONFIG_TRACE_CPP))
     if verify is None:
         verify = bool(getattr(config, CONFIG_VERIFY, True))
-    return Mode(True, frozenset(exclude), pyctx.check_policy(python_policy), frozenset(trace_cpp), verify)
+    return Mode(True, Options(frozenset(exclude), pyctx.check_policy(python_policy), frozenset(trace_cpp), verify))
 
 
 def _names(value: Any, what: str) -> tuple[str, ...]:
@@ -112,19 +122,19 @@ def _flag_on() -> bool:
 
 def _own_cache(mode: Mode) -> None:
     """Clear the CA cache if it holds graphs captured in another mode."""
-    if _cache_mode[0] not in (None, mode) and not _compat.ca_cache_is_empty():
-        _compat.clear_ca_cache()
-        _compat.counters["ca_dynsaved"]["cache_clears"] += 1
+    if _cache_mode[0] not in (None, mode) and not ca_cache_is_empty():
+        clear_ca_cache()
+        counters["ca_dynsaved"]["cache_clears"] += 1
     _cache_mode[0] = mode
 
 
 @contextlib.contextmanager
 def _instance_class(cls: Callable[..., Any]) -> Iterator[None]:
-    prior = _compat.swap_instance_class(cls)
+    prior = swap_instance_class(cls)
     try:
         yield
     finally:
-        _compat.swap_instance_class(prior)
+        swap_instance_class(prior)
 
 
 @contextlib.contextmanager
@@ -141,9 +151,9 @@ def ca_context(
     of an enclosing plugin context, else the plugin if the config flag is on, else
     stock.
     """
-    if not ignore_active_disable_ctx and _compat.ca.active_disable_ctx:
+    if not ignore_active_disable_ctx and ca.active_disable_ctx:
         # _enable is a no-op here: CA stays off, no mode changes hands.
-        with _compat.stock_enable(compiler_fn, dynamic, ignore_active_disable_ctx):
+        with stock_enable(compiler_fn, dynamic, ignore_active_disable_ctx):
             yield
         return
     # CA's compiler is process-global and ``_enable`` restores it last-in first-out:
@@ -161,18 +171,12 @@ def ca_context(
         _modes.append(mode)
         try:
             with contextlib.ExitStack() as stack:
-                cm = _compat.stock_enable(compiler_fn, dynamic, ignore_active_disable_ctx)
+                cm = stock_enable(compiler_fn, dynamic, ignore_active_disable_ctx)
                 if mode.plugin:
-                    factory = functools.partial(
-                        DynSavedCompilerInstance,
-                        exclude=mode.exclude,
-                        python_policy=mode.python_policy,
-                        trace_cpp=mode.trace_cpp,
-                        verify=mode.verify,
-                    )
+                    factory = functools.partial(DynSavedCompilerInstance, options=mode.options)
                     with _instance_class(factory):  # type: ignore[arg-type]
                         stack.enter_context(cm)
-                    stack.enter_context(_compat.gating_backwards(payoff.gate))
+                    stack.enter_context(gating_backwards(payoff.gate))
                 else:
                     stack.enter_context(cm)
                 yield
@@ -182,7 +186,7 @@ def ca_context(
                 _own_cache(_modes[-1])
 
 
-@functools.wraps(_compat.stock_enable)
+@functools.wraps(stock_enable)
 def _enable_hook(
     compiler_fn: Callable[..., Any],
     dynamic: bool = True,
@@ -193,12 +197,12 @@ def _enable_hook(
 
 def _register_config() -> None:
     for name, (default, value_type) in _CONFIG_ENTRIES.items():
-        _compat.register_config_entry(name, default, value_type)
+        register_config_entry(name, default, value_type)
 
 
 def _unregister_config() -> None:
     for name in _CONFIG_ENTRIES:
-        _compat.unregister_config_entry(name)
+        unregister_config_entry(name)
 
 
 def install() -> None:
@@ -218,11 +222,11 @@ def install() -> None:
     with _lock:
         if _off:
             return
-        _compat.register_torch_log("ca_dynsaved")
+        register_torch_log("ca_dynsaved")
         _register_config()
-        if _compat.ca._enable is not _enable_hook:
-            _compat.swap_enable(_enable_hook)
-        _compat.patch_resume_functions(True)
+        if ca._enable is not _enable_hook:
+            swap_enable(_enable_hook)
+        patch_resume_functions(True)
 
 
 def switch_off(reason: str) -> None:
@@ -274,8 +278,8 @@ def uninstall() -> None:
     with _lock:
         if _modes:
             raise RuntimeError("ca_dynsaved.uninstall() inside an open compiled-autograd context")
-        if _compat.ca._enable is _enable_hook:
-            _compat.swap_enable(_compat.stock_enable)
-        _compat.patch_resume_functions(False)
+        if ca._enable is _enable_hook:
+            swap_enable(stock_enable)
+        patch_resume_functions(False)
         _unregister_config()
         _own_cache(STOCK)

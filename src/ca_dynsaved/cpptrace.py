@@ -30,21 +30,22 @@ an op argument or decides a branch keeps the node opaque. The capture then trace
 on fake tensors of concrete sizes (``trace``), a third of the cost of symbolic ones.
 
 Lifted ints used by traced nodes are marked dynamic for the graph's first compile
-(``_compat.mark_dynamic_scalars``, ``L['scalars'][i]``). Plain readers a user opts
+(``mark_dynamic_scalars``, ``L['scalars'][i]``). Plain readers a user opts
 in (``trace_cpp``) are traced by ``sentinel``, through the same ``trace``.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from . import _compat
-from .probe import FLOAT_HINT, INT_HINT, Verdict, empty_like, first_line, run_symbolic
+from ._compat.capture import counters, no_proxy_modes
+from ._compat.dynamo import exception_line
+from ._compat.layout import CppCall, pytree
+from ._compat.symbolic import TorchDispatchMode, concrete, size_hints
+from .probe import FLOAT_HINT, INT_HINT, Verdict, empty_like, run_symbolic
 
 aten = torch.ops.aten
 #: ``X.Scalar`` overload -> ``X.Tensor`` overload taking the scalar (argument 1)
@@ -65,22 +66,22 @@ def clear() -> None:
     _SIZES.clear()
 
 
-def verdict(fn: Any, call: _compat.CppCall, lifted: dict[Any, tuple[str, int]]) -> Verdict:
+def verdict(fn: Any, call: CppCall, lifted: Mapping[Any, Any]) -> Verdict:
     """May this C++ node be traced? ``call``: its CA call; ``lifted``: the
-    capture's lifted symbols (symnode -> (kind, index))."""
+    capture's lifted symbols (symnode -> ``decision.Lifted``)."""
     kinds = tuple(
-        lifted[v.node][0] if isinstance(v, (torch.SymInt, torch.SymFloat)) and v.node in lifted else type(v).__name__
+        lifted[v.node].kind if isinstance(v, (torch.SymInt, torch.SymFloat)) and v.node in lifted else type(v).__name__
         for v in call.values
     )
     key = (call.name, call.keys, kinds)
     found = _CACHE.get(key)
     if found is None:
-        _compat.counters["ca_dynsaved"]["cpp_probes"] += 1
+        counters["ca_dynsaved"]["cpp_probes"] += 1
         found = _CACHE[key] = _decide(fn, call, lifted)
     return found
 
 
-def _decide(fn: Any, call: _compat.CppCall, lifted: dict[Any, Any]) -> Verdict:
+def _decide(fn: Any, call: CppCall, lifted: Mapping[Any, Any]) -> Verdict:
     numbers = {}
     for key, value in zip(call.keys, call.values):
         if isinstance(value, (torch.SymInt, torch.SymFloat)) and value.node in lifted:
@@ -91,8 +92,7 @@ def _decide(fn: Any, call: _compat.CppCall, lifted: dict[Any, Any]) -> Verdict:
         return Verdict(False, "no saved ints or doubles")
 
     def backward(symbols: dict[str, Any]) -> Any:
-        grads = [_compat.tensor_from_variable_info(info, concrete=True) for info in call.output_info]
-        return call.call(fn, grads, values=[symbols[k] for k in call.keys], saved=[empty_like(t) for t in call.saved])
+        return call.call(fn, call.incoming_grads(), values=[symbols[k] for k in call.keys], saved=[empty_like(t) for t in call.saved])
 
     def rewritable(func: Any, args: tuple[Any, ...], leaf: Any) -> bool:
         """The float itself as the Scalar of an ``X.Scalar`` op on a floating tensor."""
@@ -104,7 +104,7 @@ def _decide(fn: Any, call: _compat.CppCall, lifted: dict[Any, Any]) -> Verdict:
     probed = run_symbolic(numbers, backward, rewritable)
     if probed.error is not None:
         e = probed.error
-        return Verdict(False, f"the probe could not run its backward ({type(e).__name__}: {first_line(e)})")
+        return Verdict(False, f"the probe could not run its backward ({exception_line(e)})")
     for key, guard in probed.guards:
         return Verdict(False, f"saved '{key}' is read as a plain number (guard {guard})")
     if probed.float_uses:
@@ -114,7 +114,7 @@ def _decide(fn: Any, call: _compat.CppCall, lifted: dict[Any, Any]) -> Verdict:
 
 
 def trace(
-    instance: Any, fn: Any, grads: Sequence[Any], call: _compat.CppCall, values: Sequence[Any] | None = None
+    instance: Any, fn: Any, grads: Sequence[Any], call: CppCall, values: Sequence[Any] | None = None
 ) -> list[Any]:
     """Call the functional under the capture's modes so its ATen ops are recorded
     (``values``: in place of the saved numbers, as ``sentinel`` traces).
@@ -124,15 +124,15 @@ def trace(
     backward's ops do not depend on sizes (``size_dependence`` said so), so the ops
     and arguments are those of symbolic sizes, at a third of the cost. Its outputs
     become CA's dummies, as stock CA returns for a call it records whole."""
-    with _compat.disable_proxy_modes_tracing():
-        fake_grads = [_compat.tensor_from_variable_info(info, concrete=True) for info in call.output_info]
+    with no_proxy_modes():
+        fake_grads = call.incoming_grads()
         saved = [empty_like(t) for t in call.saved]
     instance.bind_objects_to_proxies(fake_grads, [instance.to_proxy(g) for g in grads])
     instance.bind_objects_to_proxies(
         [t for t in saved if t is not None], [instance.to_proxy(t) for t in call.saved if t is not None]
     )
     outs = list(call.call(fn, fake_grads, values=values, saved=saved))
-    with _compat.disable_proxy_modes_tracing():
+    with no_proxy_modes():
         dummies = [None if o is None else instance.allocate_dummy() for o in outs]
     instance.bind_objects_to_proxies(
         [d for d in dummies if d is not None], [instance.to_proxy(o) for o in outs if o is not None]
@@ -150,12 +150,12 @@ class _SymbolicArgs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if any(isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)) for leaf in tree_leaves((args, kwargs))):
+        if any(isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)) for leaf in pytree.tree_leaves((args, kwargs))):
             self.found = True
         return func(*args, **kwargs)
 
 
-def size_dependence(fn: Any, call: _compat.CppCall) -> str:
+def size_dependence(fn: Any, call: CppCall) -> str:
     """'' if this backward's ops and arguments are the same for any tensor sizes,
     else why not (the node then runs opaque: traced, its sizes would be baked in).
     Decided once per function and input layout, on fake tensors whose sizes are
@@ -166,13 +166,10 @@ def size_dependence(fn: Any, call: _compat.CppCall) -> str:
     # (sizes, strides, dtype, device) of each saved tensor (else the value), and of
     # each incoming grad (output_info): the cache key, and what the probe fakes
     saved = [
-        (*map(tuple, _compat.size_hints(t)), t.dtype, t.device) if isinstance(t, torch.Tensor) else t
+        (*map(tuple, size_hints(t)), t.dtype, t.device) if isinstance(t, torch.Tensor) else t
         for t in call.saved
     ]
-    grads = []
-    for info in call.output_info:
-        g = _compat.tensor_from_variable_info(info, concrete=True)
-        grads.append((tuple(g.shape), tuple(g.stride()), g.dtype, g.device))
+    grads = [(tuple(g.shape), tuple(g.stride()), g.dtype, g.device) for g in call.incoming_grads()]
     key = (call.name, call.keys, tuple(type(v).__name__ for v in call.values), tuple(saved), tuple(grads))
     found = _SIZES.get(key)
     if found is None:
@@ -180,11 +177,11 @@ def size_dependence(fn: Any, call: _compat.CppCall) -> str:
     return found
 
 
-def _probe_sizes(fn: Any, call: _compat.CppCall, saved: list[Any], grads: list[tuple[Any, ...]]) -> str:
+def _probe_sizes(fn: Any, call: CppCall, saved: list[Any], grads: list[tuple[Any, ...]]) -> str:
     if any(isinstance(x, tuple) and list(x[1]) != _contiguous_strides(x[0]) for x in saved):
         return "a saved tensor is not contiguous (sizes are only probed on contiguous ones)"
     distinct = {s for x in [*saved, *grads] if isinstance(x, tuple) for s in x[0] if s > 1}
-    numbers = [_compat.concrete(v) for v in call.values]
+    numbers = [concrete(v) for v in call.values]
     detached = call.detached()
     uses = _SymbolicArgs()
 
@@ -200,7 +197,7 @@ def _probe_sizes(fn: Any, call: _compat.CppCall, saved: list[Any], grads: list[t
     probed = run_symbolic({f"size{s}": s for s in distinct}, run)
     if probed.error is not None:
         e = probed.error
-        return f"its backward fails on symbolic sizes ({type(e).__name__}: {first_line(e)})"
+        return f"its backward fails on symbolic sizes ({exception_line(e)})"
     if not probed.sizes_only:
         return "its ops depend on tensor sizes (" + "; ".join(g for _, g in probed.guards[:3]) + ")"
     if uses.found:

@@ -18,9 +18,9 @@ from types import ModuleType
 from typing import Callable
 
 import torch
-from torch._dynamo.utils import counters
 
-from . import _compat, _docblocks
+from ._compat.capture import counters, no_ca, stock_ca
+from . import _docblocks
 
 #: The command the docs name for the Markdown this prints (``--into`` finds its block by it).
 MARKDOWN_COMMAND = "python -m ca_dynsaved demo --markdown"
@@ -128,7 +128,7 @@ def _train(act: Callable[..., torch.Tensor], steps: int, ctx: Callable[[], objec
         with ctx():
             loss().backward()
         got = [p.grad.clone() for p in (*lin1.parameters(), *lin2.parameters())]
-        with _compat.no_ca():
+        with no_ca():
             want = torch.autograd.grad(loss(), [*lin1.parameters(), *lin2.parameters()])
         grads_equal &= all(torch.allclose(g, w, rtol=1e-4, atol=1e-5) for g, w in zip(got, want))
     seconds = time.perf_counter() - start
@@ -149,7 +149,7 @@ def run_demo(backend: str, steps: int, build_dir: str | os.PathLike[str]) -> dic
     ca_dynsaved.reset_report()
 
     def stock() -> object:
-        return _compat.stock_ca(lambda gm: torch.compile(gm, backend=backend))
+        return stock_ca(lambda gm: torch.compile(gm, backend=backend))
 
     def plugin() -> object:
         return ca_dynsaved.enable(backend=backend)

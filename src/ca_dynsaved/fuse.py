@@ -21,8 +21,8 @@ import operator
 from typing import Any
 
 import torch
-from torch._dynamo.utils import counters
 
+from ._compat.capture import counters
 from . import opaque
 
 _OPAQUE = (opaque.CPP_OP, opaque.PY_OP)
@@ -30,14 +30,18 @@ _OPAQUE = (opaque.CPP_OP, opaque.PY_OP)
 
 def chains(gm: torch.fx.GraphModule) -> int:
     """Fuse every run of two or more opaque ops in ``gm`` (in place; recompiles it);
-    returns how many ops were folded into a previous one."""
-    fused = 0
+    returns how many ops were folded into a previous one. The runs are found first,
+    so each becomes one chain with one registered plan."""
+    runs: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # a run's last op -> the run
     for node in list(gm.graph.nodes):
         if node.target in _OPAQUE:
             producer = _sole_producer(node)
             if producer is not None:
-                _fold(gm.graph, producer, node)
-                fused += 1
+                runs[node] = [*runs.pop(producer, [producer]), node]
+    fused = 0
+    for run in runs.values():
+        _fold(gm.graph, run)
+        fused += len(run) - 1
     if fused:
         gm.recompile()
         counters["ca_dynsaved"]["fused_opaque_nodes"] += fused
@@ -83,26 +87,29 @@ def _parts(node: torch.fx.Node) -> tuple[list[opaque.Step], list[Any], list[Any]
     return [step], list(grads), list(tensors), list(symints)
 
 
-def _fold(graph: torch.fx.Graph, producer: torch.fx.Node, node: torch.fx.Node) -> None:
-    """Replace ``producer`` and ``node`` with one chain node, where ``node`` was."""
-    steps, grads, tensors, symints = _parts(producer)
-    (last,), _, node_tensors, node_symints = _parts(node)
-    sources = tuple(g.args[1] for g in node.args[0])
-    t, s = len(tensors), len(symints)
-    steps.append(
-        opaque.Step(
-            last.key, last.slot, last.hook,
-            (t, t + len(node_tensors)), (s, s + len(node_symints)), sources,
+def _fold(graph: torch.fx.Graph, run: list[torch.fx.Node]) -> None:
+    """Replace the ops of ``run`` (each feeding only the next's grads) with one chain
+    node, where the last one was."""
+    steps, grads, tensors, symints = _parts(run[0])
+    for node in run[1:]:
+        (step,), _, node_tensors, node_symints = _parts(node)
+        sources = tuple(g.args[1] for g in node.args[0])
+        t, s = len(tensors), len(symints)
+        steps.append(
+            opaque.Step(
+                step.key, step.slot, step.hook,
+                (t, t + len(node_tensors)), (s, s + len(node_symints)), sources,
+            )
         )
-    )
-    with graph.inserting_before(node):
-        chain = graph.call_function(
-            opaque.CHAIN_OP,
-            (grads, tensors + node_tensors, symints + node_symints, opaque.register_chain(steps)),
-        )
-    chain.meta = dict(node.meta)
-    node.replace_all_uses_with(chain)
-    graph.erase_node(node)
-    for g in list(producer.users):
-        graph.erase_node(g)
-    graph.erase_node(producer)
+        tensors += node_tensors
+        symints += node_symints
+    last = run[-1]
+    with graph.inserting_before(last):
+        chain = graph.call_function(opaque.CHAIN_OP, (grads, tensors, symints, opaque.register_chain(steps)))
+    chain.meta = dict(last.meta)
+    last.replace_all_uses_with(chain)
+    graph.erase_node(last)
+    for producer in reversed(run[:-1]):  # each one's outputs fed only the next op
+        for g in list(producer.users):
+            graph.erase_node(g)
+        graph.erase_node(producer)

@@ -10,7 +10,7 @@ on a ctx number), such a node costs no break and no compile of its own.
 
 The symbolic probe (``probe.py``) cannot tell: a plain Python helper Dynamo refuses
 runs fine on fake tensors. So the backward is traced by Dynamo itself, alone, as the
-CA graph would trace it (``_compat.trace_backward_alone``): real empty tensors with
+CA graph would trace it (``trace_backward_alone``): real empty tensors with
 the capture's sizes, sizes dynamic, the real ctx, stopping at the first break, the
 graph never run. About 10-90 ms a function (0.55 s for a long one; the first of a
 process about 0.5 s, Dynamo's warm-up), once per function and ctx layout (attribute names and
@@ -24,9 +24,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import torch
 
-from . import _compat, probe
+from ._compat.capture import counters, is_torch_own_function
+from ._compat.dynamo import trace_backward_alone
+from ._compat.layout import incoming_grads
+from ._compat.symbolic import outside_capture
+from . import probe
 
 _CACHE: dict[tuple[Any, ...], str | None] = {}
 
@@ -41,26 +44,23 @@ def break_reason(ctx: Any, saved: Sequence[Any]) -> str | None:
     functions (FSDP2's pre- and post-backward hooks, activation checkpointing) are
     written for CA, some with a path of their own under it: they keep stock (a custom
     op's ``register_autograd`` backward is the user's, in a class torch generates)."""
-    if _compat.is_torch_own_function(ctx._forward_cls):
+    if is_torch_own_function(ctx._forward_cls):
         return None
-    key = (ctx._forward_cls, tuple((name, type(value)) for name, value in vars(ctx).items()))
+    key = probe.ctx_layout(ctx)
     if key not in _CACHE:
-        _compat.counters["ca_dynsaved"]["dynamo_probes"] += 1
+        counters["ca_dynsaved"]["dynamo_probes"] += 1
         _CACHE[key] = _trace(ctx, saved)
     return _CACHE[key]
 
 
 def _trace(ctx: Any, saved: Sequence[Any]) -> str | None:
-    with _compat.outside_capture():
+    with outside_capture():
         try:
             real_saved = [probe.empty_like(t) for t in saved]
-            grads = [
-                torch.empty(shape, dtype=dtype, device=device)
-                for shape, dtype, device in _compat.incoming_grad_metadata(ctx)
-            ]
+            grads = incoming_grads(ctx)
         except Exception:  # noqa: BLE001 - a layout empty_strided cannot copy (sparse, nested)
             return None  # not traced alone: today's handling
-        traced = _compat.trace_backward_alone(ctx, real_saved, grads)
+        traced = trace_backward_alone(ctx, real_saved, grads)
     if traced.breaks is False:
         return None
     if traced.breaks is None:  # CA's compile of it would fail the same way

@@ -35,7 +35,9 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from . import _compat, report
+from ._compat.capture import capture_count, counters, no_ca
+from ._compat.dynamo import without_dynamo
+from . import report
 
 
 def misses_allowed() -> int:
@@ -87,14 +89,14 @@ def structure_key(roots: Any) -> Hashable:
     return tuple(key)
 
 
-@_compat.without_dynamo  # runs with Dynamo's frame callback on (the config path)
+@without_dynamo  # runs with Dynamo's frame callback on (the config path)
 def gate(run_backward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """A backward under a plugin context (``_compat.gating_backwards``): under CA, or
+    """A backward under a plugin context (``gating_backwards``): under CA, or
     without it where the policy says so."""
     if not _watching[0]:
-        before = _compat.capture_count()
+        before = capture_count()
         out = run_backward(*args, **kwargs)
-        if _compat.capture_count() != before:
+        if capture_count() != before:
             _watching[0] = True
         return out
     roots = args[0] if args else kwargs.get("tensors", ())
@@ -109,13 +111,13 @@ def gate(run_backward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
         if structure.since_try < structure.retry:
             assert structure.record is not None
             structure.record.backwards += 1
-            _compat.counters["ca_dynsaved"]["uncaptured_backwards"] += 1
-            with _compat.no_ca():
+            counters["ca_dynsaved"]["uncaptured_backwards"] += 1
+            with no_ca():
                 return run_backward(*args, **kwargs)
         structure.since_try = 0
-    before = _compat.capture_count()
+    before = capture_count()
     out = run_backward(*args, **kwargs)
-    _note(structure, captured=_compat.capture_count() != before)
+    _note(structure, captured=capture_count() != before)
     return out
 
 

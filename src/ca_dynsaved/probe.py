@@ -34,10 +34,22 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from . import _compat
+from ._compat.capture import counters
+from ._compat.config import dynamo_specializes_floats
+from ._compat.dynamo import exception_line
+from ._compat.layout import incoming_grads, pytree
+from ._compat.symbolic import (
+    TorchDispatchMode,
+    guards_on,
+    holds_for_sizes_above_one,
+    new_symbol,
+    outside_capture,
+    size_hints,
+    symbolic_probe_mode,
+    tensorifiable_ops,
+    tensorifies_python_arithmetic,
+)
 
 #: Stand-in values for the symbols: not 0 or 1 (which would be specialised), odd,
 #: nothing a backward divides by zero with. The hints only pick which branch the
@@ -70,18 +82,18 @@ def verdict(ctx: Any, saved: Sequence[Any], tensor_inputs: tuple[bool, ...]) -> 
     """The verdict for this node's function and ctx layout, probing on a miss.
     ``saved`` are the capture's (fake) saved tensors of the call; ``tensor_inputs``
     says which forward inputs were tensors (may get a gradient)."""
-    attributes = vars(ctx)
-    key = (
-        ctx._forward_cls,
-        tuple((name, type(value)) for name, value in attributes.items()),
-        tensor_inputs,
-        _compat.dynamo_specializes_floats(),
-    )
+    key = (*ctx_layout(ctx), tensor_inputs, dynamo_specializes_floats())
     found = _CACHE.get(key)
     if found is None:
-        _compat.counters["ca_dynsaved"]["probes"] += 1
-        found = _CACHE[key] = _decide(ctx, attributes, saved, tensor_inputs)
+        counters["ca_dynsaved"]["probes"] += 1
+        found = _CACHE[key] = _decide(ctx, vars(ctx), saved, tensor_inputs)
     return found
+
+
+def ctx_layout(ctx: Any) -> tuple[Any, ...]:
+    """A Python node's function and the names and types of its ctx attributes: what
+    the probes' verdicts are cached by (here and ``graphbreak``)."""
+    return ctx._forward_cls, tuple((name, type(value)) for name, value in vars(ctx).items())
 
 
 def _decide(
@@ -92,7 +104,7 @@ def _decide(
         if not is_number(value):
             continue
         if type(value) is float:
-            if _compat.dynamo_specializes_floats():
+            if dynamo_specializes_floats():
                 return Verdict(
                     False,
                     f"ctx.{name} is a float and Dynamo specialises floats here "
@@ -140,14 +152,14 @@ class _FloatUses(TorchDispatchMode):
     ) -> None:
         super().__init__()
         self.symbols = symbols
-        self.floats = floats if not _compat.tensorifies_python_arithmetic() else set()
-        self.tensorifiable = _compat.tensorifiable_ops()
+        self.floats = floats if not tensorifies_python_arithmetic() else set()
+        self.tensorifiable = tensorifiable_ops()
         self.allow = allow
         self.found: list[tuple[str, Any]] = []  # (symbol name, op)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        for leaf in tree_leaves((args, kwargs)):
+        for leaf in pytree.tree_leaves((args, kwargs)):
             if not isinstance(leaf, torch.SymFloat):
                 continue
             expr = leaf.node.expr
@@ -180,9 +192,9 @@ def run_symbolic(
     fresh SymInts / SymFloats named and hinted as in ``hints``. Report the guards it
     cost and each op a symbolic float reached that neither the tensorify pass nor
     ``allow`` takes. The probes of Python (here) and C++ (``cpptrace``) backwards."""
-    with _compat.outside_capture():
-        shape_env, fake_mode = _compat.symbolic_probe_mode()
-        symbols = {name: _compat.new_symbol(shape_env, name, hint) for name, hint in hints.items()}
+    with outside_capture():
+        shape_env, fake_mode = symbolic_probe_mode()
+        symbols = {name: new_symbol(shape_env, name, hint) for name, hint in hints.items()}
         names = {value.node.expr: name for name, value in symbols.items()}
         floats = {value.node.expr for value in symbols.values() if isinstance(value, torch.SymFloat)}
         uses = _FloatUses(names, floats, allow)
@@ -194,8 +206,8 @@ def run_symbolic(
             except Exception as e:  # noqa: BLE001 - the caller decides: opaque, the safe side
                 error = e
     return SymbolicRun(
-        result, error, _compat.guards_on(shape_env, names), uses.found,
-        _compat.holds_for_sizes_above_one(shape_env, names),
+        result, error, guards_on(shape_env, names), uses.found,
+        holds_for_sizes_above_one(shape_env, names),
     )
 
 
@@ -205,11 +217,7 @@ def _probe(
     def backward(symbols: dict[str, Any]) -> tuple[_StandIn, Any]:
         values = {name.removeprefix("ctx."): value for name, value in symbols.items()}
         stand_in = _StandIn(ctx, [empty_like(t) for t in saved], values)
-        fake_grads = [
-            torch.empty(shape, dtype=dtype, device=device)
-            for shape, dtype, device in _compat.incoming_grad_metadata(ctx)
-        ]
-        return stand_in, ctx._forward_cls.backward(stand_in, *fake_grads)
+        return stand_in, ctx._forward_cls.backward(stand_in, *incoming_grads(ctx))
 
     probed = run_symbolic({f"ctx.{name}": hint for name, hint in numbers.items()}, backward)
     if probed.error is not None:
@@ -221,7 +229,7 @@ def _probe(
             name, guard = real.guards[0]
             return Verdict(False, f"{name} needs its value (guard {guard})", name[4:])
         e = probed.error
-        return Verdict(False, f"the probe could not run its backward ({type(e).__name__}: {first_line(e)})")
+        return Verdict(False, f"the probe could not run its backward ({exception_line(e)})")
     for name, guard in probed.guards:
         return Verdict(False, f"{name} needs its value (guard {guard})", name[4:])
     if probed.float_uses:
@@ -246,10 +254,7 @@ def empty_like(t: Any) -> Any:
     probe's fake mode, real (uninitialised) outside it (``graphbreak``)."""
     if not isinstance(t, torch.Tensor):
         return t
-    sizes, strides = _compat.size_hints(t)
+    sizes, strides = size_hints(t)
     return torch.empty_strided(sizes, strides, dtype=t.dtype, device=t.device)
 
 
-def first_line(e: Exception) -> str:
-    """An exception's first line, for a verdict's reason."""
-    return (str(e).strip().splitlines() or [""])[0][:200]

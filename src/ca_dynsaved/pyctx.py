@@ -21,15 +21,14 @@ the graph at (``graphbreak.py`` traces it alone, once per function and ctx layou
 runs opaque too, whatever its ctx holds. Any other function whose ctx holds no int
 or float keeps stock tracing, so a bool or str attribute that picks a branch keeps
 its guard (one compile per value), and a tensor attribute stays a graph input.
+``decision.decide_python`` applies the policy to a node; this module names it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
-from . import graphbreak, probe
 from .probe import is_number
-from .report import TRACED  # noqa: F401  (a node's handling, besides OPAQUE and STOCK)
 
 AUTO, OPAQUE, STOCK = "auto", "opaque", "stock"
 POLICIES = (AUTO, OPAQUE, STOCK)
@@ -39,35 +38,6 @@ def check_policy(policy: str) -> str:
     if policy not in POLICIES:
         raise ValueError(f"ca_dynsaved: python_policy must be one of {POLICIES}, got {policy!r}")
     return policy
-
-
-def decide(
-    ctx: Any,
-    policy: str,
-    backward_state_idx: Any,
-    opaque_object_indices: Any,
-    saved: Sequence[Any],
-    tensor_inputs: tuple[bool, ...],
-) -> tuple[str, str]:
-    """(handling, reason) for one Python node: ``STOCK``, ``OPAQUE`` or ``TRACED``.
-    ``saved``: its saved tensors at capture; ``tensor_inputs``: which forward inputs
-    were tensors."""
-    reason = stock_reason(ctx, policy, backward_state_idx, opaque_object_indices)
-    if reason is not None:
-        return STOCK, reason
-    has_numbers = any(is_number(v) for v in vars(ctx).values())
-    if has_numbers and policy == OPAQUE:
-        return OPAQUE, ""
-    if has_numbers:
-        verdict = probe.verdict(ctx, saved, tensor_inputs)
-        if not verdict.traced:
-            return OPAQUE, verdict.reason
-    breaks = graphbreak.break_reason(ctx, saved)
-    if breaks is not None:
-        return OPAQUE, breaks
-    if has_numbers:
-        return TRACED, verdict.reason
-    return STOCK, "no int or float ctx attribute, and Dynamo traces its backward (bools, strs and tensors keep stock tracing)"
 
 
 def dynamic_sources(ctx: Any, hook: int) -> list[str]:

@@ -1,24 +1,23 @@
 """What the plugin did with each custom function, and why: the explain report.
 
-The capture hooks (``compiler.py``) describe every custom-function node they see;
-the runtime wrapper adds the values each run carries; ``report()`` attributes
-Dynamo's recompiles of CA graphs (their guard failure names ``scalars[i]`` or
-``hooks[i].attr``) to the saved key or ctx attribute behind them. The result is
-plain data (``to_dict`` / ``to_json``) and prints as a table.
+The capture hooks (``compiler.py``) hand over each node's ``decision`` as it is
+(``node``); the runtime wrapper adds the values each run carries; ``report()``
+attributes Dynamo's recompiles of CA graphs to the saved key or ctx attribute
+behind them (``explain.py``, which also words each key's reason and fix and the
+table). The result is plain data (``to_dict`` / ``to_json``) and prints as a table.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Sequence
 
-import torch
 
-from . import _compat
+from .decision import OPAQUE, STOCK, TRACED, Decision
+from .explain import DYNAMIC, REUSED, attribute_recompiles, format_table, reason_and_fix
 from .probe import is_number
 
 #: Distinct values kept per key; more are counted (up to MAX_COUNTED), not kept.
@@ -30,9 +29,6 @@ _CAPACITY = MAX_VALUES + MAX_COUNTED
 MAX_CAPTURES = 256
 MAX_REFUSED = 64
 
-DYNAMIC, OPAQUE, REUSED, STOCK = "dynamic", "opaque", "reused", "stock"
-#: A Python function traced with its ctx numbers dynamic (pyctx.TRACED).
-TRACED = "traced-dynamic"
 
 
 @dataclass
@@ -146,7 +142,9 @@ class NodeRecord:
     keys: tuple[str, ...]  # saved_data keys, or ctx attribute names
     kinds: tuple[str, ...]  # per key: "int"/"float" (lifted, dynamic) or a type name
     reason: str = ""  # why the node kept stock behaviour, or runs as it does
-    handling: str = ""  # "opaque", "stock" or (Python) "traced-dynamic"
+    handling: str = ""  # "opaque", "stock" or "traced-dynamic"
+    # what decided it, with the plan the capture carried out (decision.py)
+    decision: Decision | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -257,7 +255,9 @@ class Report:
             caused, the newest guard, ``.compiles``).
         nodes: list of ``NodeRecord``, one per custom-function node of each kept
             capture: ``.name``, ``.opaque``, ``.keys``, ``.kinds``, ``.handling``,
-            ``.reason``.
+            ``.reason``, ``.decision`` (the ``ca_dynsaved.decision.Decision`` the
+            capture carried out: ``.plan``, ``.saved``, ``.verified``; not in
+            ``to_dict``).
         captures: the newest 256 CA captures (``CaptureRecord``: ``.ca_id``,
             ``.nodes``, ``.compiled``: "compiled" or "reused", ``.refused``: steps
             ``verify`` ran a node opaque, ``.final_callbacks``).
@@ -301,7 +301,7 @@ class Report:
                 {
                     "ca_id": c.ca_id,
                     "compiled": c.compiled,
-                    "nodes": [asdict(n) for n in c.nodes],
+                    "nodes": [_node_dict(n) for n in c.nodes],
                     "refused": [list(r) for r in c.refused],
                     "final_callbacks": c.final_callbacks,
                 }
@@ -319,6 +319,11 @@ class Report:
         """The table (function, key, type, handling, compiles, values seen), then a
         line per function and key: its reason, fix and the guard Dynamo named."""
         return format_table(self)
+
+
+def _node_dict(node: NodeRecord) -> dict[str, Any]:
+    """A node as plain data: its record's fields, not the decision's plan."""
+    return {f.name: getattr(node, f.name) for f in fields(node) if f.name != "decision"}
 
 
 def _key_dict(key: KeyReport) -> dict[str, Any]:
@@ -363,142 +368,40 @@ def _function(name: str, kind: str, handling: str, reason: str) -> FunctionRepor
 def _key(function: FunctionReport, key: str, type_: str, handling: str, node_reason: str) -> KeyReport:
     entry = function.keys.get(key)
     if entry is None or (entry.type, entry.handling) != (type_, handling):
-        reason, fix = _explain(function.kind, key, type_, handling, node_reason, function.handling == TRACED)
+        reason, fix = reason_and_fix(function.kind, key, type_, handling, node_reason, function.handling == TRACED)
         entry = function.keys[key] = KeyReport(key, function.kind, type_, handling, reason, fix)
     return entry
 
 
-def cpp_node(
-    capture: CaptureRecord,
-    name: str,
-    handling: str,
-    reason: str,
-    saved: dict[str, tuple[str, Any, int | None]],
-) -> None:
-    """A C++ node (``handling``: OPAQUE, TRACED or STOCK): ``saved`` maps each
-    saved_data key to (type, value at capture, lifted scalar index or None)."""
-    function = _function(name, "C++", handling, reason)
-    plugin = handling != STOCK  # opaque or traced: the plugin handles its values
-    for key, (type_, value, lifted) in saved.items():
-        if lifted is not None:
-            entry = _key(function, key, type_, DYNAMIC if plugin else STOCK, reason)
-            capture.scalars[lifted] = entry
-        else:
-            entry = _key(function, key, type_, REUSED if plugin else STOCK, reason)
+def node(capture: CaptureRecord, decision: Decision, hook: int = -1) -> None:
+    """A node's ``decision``, as it is: its function's row (the newest decision of a
+    function wins), a row per saved key or ctx attribute, and the capture's
+    ``NodeRecord``. ``hook``: a Python node's index in CA's hooks (its ctx's values
+    are observed there on every run); a C++ node's lifted keys are observed in the
+    graph's scalars."""
+    handling, reason = decision.handling, decision.reason
+    function = _function(decision.name, decision.kind, handling, reason)
+    for key, type_, value, lifted in decision.saved:
+        entry = _key(function, key, type_, _key_handling(decision, value, lifted), reason)
         entry.see(value)
-    kinds = tuple(t for t, _, _ in saved.values())
-    capture.nodes.append(NodeRecord(name, handling == OPAQUE, tuple(saved), kinds, reason, handling))
-
-
-def python_node(capture: CaptureRecord, name: str, handling: str, reason: str, ctx: Any, hook: int) -> None:
-    """A Python node; ``handling``: OPAQUE, STOCK or TRACED (its ctx numbers dynamic)."""
-    function = _function(name, "Python", handling, reason)
-    attributes = {k: v for k, v in vars(ctx).items() if not isinstance(v, torch.Tensor)}
-    for key, value in attributes.items():
-        key_handling = handling
-        if handling == TRACED:
-            key_handling = DYNAMIC if is_number(value) else STOCK
-        _key(function, key, type(value).__name__, key_handling, reason).see(value)
-    if attributes:
+        if lifted is not None:
+            capture.scalars[lifted] = entry
+    if decision.kind == "Python" and decision.saved:
         capture.hooks[hook] = function
-    kinds = tuple(type(v).__name__ for v in attributes.values())
-    capture.nodes.append(NodeRecord(name, handling == OPAQUE, tuple(attributes), kinds, reason, handling))
+    keys = tuple(key for key, _, _, _ in decision.saved)
+    kinds = tuple(type_ for _, type_, _, _ in decision.saved)
+    capture.nodes.append(NodeRecord(decision.name, handling == OPAQUE, keys, kinds, reason, handling, decision))
 
 
-def _explain(kind: str, key: str, type_: str, handling: str, node_reason: str, traced: bool) -> tuple[str, str]:
-    """(reason, fix) for one key; ``traced``: its function is traced with the key dynamic."""
-    scalar = type_ in ("int", "float")
-    if handling == DYNAMIC and traced and kind == "C++":
-        return (
-            "traced with the backward: an int is a symbolic graph input from the first "
-            "compile (or, cast to double, read from the packed int64 tensor), a double "
-            "is read from the packed float64 tensor",
-            "",
-        )
-    if handling == DYNAMIC and kind == "Python":
-        return (
-            "traced with the backward, a symbolic number from the first compile (the "
-            "backward fuses with its neighbours)",
-            "",
-        )
-    if handling == DYNAMIC:
-        return "lifted by CA into the graph's scalars; the opaque op reads it at run time", ""
-    if handling == REUSED:
-        return (
-            "hashed into CA's cache key: each new value is a new capture, whose graph "
-            "shares the compiled code of an equal graph",
-            f"store it as an int to skip the recapture ({_int_form(type_)})",
-        )
-    if handling == OPAQUE:
-        return "read from the real ctx when the backward runs in the opaque op", ""
-    # stock
-    if kind == "C++":
-        if scalar:
-            return (
-                f"the node kept stock tracing ({node_reason}): Dynamo specialises on the "
-                "value toInt()/toDouble() returns, one compile per value",
-                "read ints with toSymInt(), or let the plugin run the node opaque",
-            )
-        return (
-            f"hashed into CA's cache key and the node kept stock tracing ({node_reason}): "
-            "one capture and one compile per value",
-            f"store it as an int ({_int_form(type_)})",
-        )
-    if scalar:
-        return (
-            f"the function kept stock tracing ({node_reason}): Dynamo guards on ctx.{key}",
-            'use python_policy="auto" or "opaque" and do not exclude the function',
-        )
-    return (
-        f"the function kept stock tracing ({node_reason}): Dynamo guards on ctx.{key}, "
-        "one compile per distinct value",
-        f"if it changes often, save it as an int (ctx.{key} = int(...)): a function "
-        "with an int attribute runs opaque",
-    )
-
-
-def _int_form(type_: str) -> str:
-    return {
-        "bool": "0/1, read with toInt()",
-        "str": "an int code for each string",
-    }.get(type_, "its entries as separate top-level ints, or a tensor")
-
-
-# --- recompiles ----------------------------------------------------------------------
-_GUARD = re.compile(r"\b(?:hooks\[(\d+)\]\.(\w+)|scalars\[(\d+)\])")
-
-
-def _attribute_recompiles(rep: Report) -> None:
-    """Count, for each key, Dynamo's recompiles of CA graphs whose failed guard names it."""
-    for function in rep.functions.values():
-        for key in function.keys.values():
-            key.recompiles, key.guard = 0, ""
-    for metric in _compat.compilation_metrics():
-        compile_id = str(metric.compile_id or "")
-        reason = (metric.recompile_reason or "").split("\n", 1)[0]
-        if not compile_id.startswith("!") or not reason or metric.fail_reason:
-            continue  # not a CA graph, not a recompile, or a compile that failed
-        ca_id = int(compile_id[1:].split("/", 1)[0])
-        # The newest capture with that id made before this compile: ids restart
-        # with torch._dynamo.reset().
-        candidates = [
-            c for c in rep.captures if c.ca_id == ca_id and c.start_time_us <= (metric.start_time_us or 0)
-        ]
-        if not candidates:
-            continue
-        capture = candidates[-1]
-        match = _GUARD.search(reason.split(":", 1)[-1])
-        if match is None:
-            continue
-        hook, attribute, scalar = match.groups()
-        key = None
-        if scalar is not None and int(scalar) in capture.scalars:
-            key = capture.scalars[int(scalar)]
-        elif hook is not None and int(hook) in capture.hooks:
-            key = capture.hooks[int(hook)].keys.get(attribute)
-        if key is not None:
-            key.recompiles += 1
-            key.guard = reason.split(":", 1)[-1].split("#", 1)[0].strip()
+def _key_handling(decision: Decision, value: Any, lifted: int | None) -> str:
+    """How the plugin handles one saved key / ctx attribute of a node so decided."""
+    if decision.handling == STOCK:
+        return STOCK
+    if decision.kind == "C++":  # opaque or traced: the plugin handles its values
+        return DYNAMIC if lifted is not None else REUSED
+    if decision.handling == TRACED:
+        return DYNAMIC if is_number(value) else STOCK
+    return decision.handling
 
 
 def report() -> Report:
@@ -516,7 +419,7 @@ def report() -> Report:
         print(ca_dynsaved.report())  # or .to_dict(), .to_json(), .nodes
     """
     _flush_pending()
-    _attribute_recompiles(_REPORT)
+    attribute_recompiles(_REPORT)
     return _REPORT
 
 
@@ -558,28 +461,3 @@ def reset_report() -> None:
     _REPORT.uncaptured.clear()
 
 
-def format_table(rep: Report) -> str:
-    header = ("function", "key", "type", "handling", "compiles", "values seen")
-    rows = []
-    notes = []
-    for function in rep.functions.values():
-        if function.reason:
-            notes.append(f"{function.name}: {function.handling}, {function.reason}")
-        if not function.keys:
-            rows.append((function.name, "-", "-", function.handling, "-", "-"))
-        for key in function.keys.values():
-            values = ", ".join(f"{v:.6g}" if isinstance(v, float) else repr(v) for v in key.values)
-            if key.more_values:
-                values += f", ... (+{key.more_values})"
-            rows.append((function.name, key.key, key.type, key.handling, str(key.compiles), values))
-            guard = f"; Dynamo recompiled on {key.guard}" if key.guard and key.compiles else ""
-            notes.append(f"{function.name}.{key.key}: {key.reason}{guard}" + (f"; fix: {key.fix}" if key.fix else ""))
-    for capture in rep.captures:
-        for name, values, reason in capture.refused:
-            notes.append(f"{name}: verify ran it opaque for saved {values}: {reason}")
-    for record in rep.uncaptured:
-        notes.append(f"backward of {', '.join(dict.fromkeys(record.nodes)) or 'a graph'}: {record.reason}")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines + [""] + notes)

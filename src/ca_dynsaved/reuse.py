@@ -28,9 +28,10 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
-from torch._dynamo.utils import counters
 
-from . import _compat, opaque
+from ._compat.capture import counters
+from ._compat.config import is_dynamo_config_compiler
+from . import opaque
 
 #: Most compiled functions kept; the least recently used goes first.
 MAX_ENTRIES = 64
@@ -42,7 +43,7 @@ def compiler_tag(compiler_fn: Any) -> Any:
     """What identifies a compiler for reuse: ``enable``'s default (a frozen
     dataclass) by value, a given ``compiler_fn`` by identity, Dynamo's config path
     as one compiler."""
-    if _compat.is_dynamo_config_compiler(compiler_fn):
+    if is_dynamo_config_compiler(compiler_fn):
         return ("dynamo config path", compiler_fn.fullgraph)
     return compiler_fn
 

@@ -40,7 +40,7 @@ def _ca_context(mode: str, backend: str) -> Any:
     import torch
 
     import ca_dynsaved
-    from ca_dynsaved import _compat
+    from ca_dynsaved._compat.capture import stock_ca
 
     flags = {"compiled_autograd": True, ca_dynsaved.CONFIG_FLAG: mode == PLUGIN}
     stack = contextlib.ExitStack()
@@ -48,7 +48,7 @@ def _ca_context(mode: str, backend: str) -> Any:
     if mode == PLUGIN:
         stack.enter_context(ca_dynsaved.enable(backend=backend))
     else:
-        stack.enter_context(_compat.stock_ca(lambda gm: torch.compile(gm, backend=backend)))
+        stack.enter_context(stock_ca(lambda gm: torch.compile(gm, backend=backend)))
     return stack
 
 
@@ -71,7 +71,7 @@ def _run_script(script: str, args: list[str], mode: str, backend: str) -> tuple[
 
 
 def _numbers(seconds: float, code: int) -> dict[str, Any]:
-    from torch._dynamo.utils import counters
+    from ca_dynsaved._compat.capture import counters
 
     return {
         "Dynamo compiles": counters["stats"]["unique_graphs"],

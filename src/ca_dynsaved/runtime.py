@@ -36,9 +36,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
-from torch._dynamo.utils import counters
 
-from . import _compat, fuse, opaque, reuse, sentinel
+from ._compat.capture import counters
+from ._compat.dynamic_state import mark_dynamic_scalars
+from ._compat.dynamo import without_dynamo
+from ._compat.engine import collecting_final_callbacks
+from ._compat.layout import CppCall
+from . import binding, fuse, opaque, reuse, sentinel
 from .report import CaptureRecord
 
 
@@ -47,7 +51,7 @@ log = logging.getLogger("ca_dynsaved")
 
 class Packer:
     """A graph's lifted scalars (CA's list, by capture-time ``kinds``) split into its
-    ints and its doubles, for the opaque C++ ops (``opaque.bound_run``), and, with
+    ints and its doubles, for the opaque C++ ops (``binding.bound_run``), and, with
     ``tensors`` (a traced node reads them), packed into one int64 and one float64
     tensor appended to the graph's scalars. Built once per graph: each run picks by
     precomputed indices and checks the types, both in C (itemgetter, issuperset)."""
@@ -104,7 +108,7 @@ class Fallback:
     grads, saved tensors, packed scalars, of what its trace recorded and returned."""
 
     fn: Callable[..., Any]
-    call: _compat.CppCall  # detached: filled in by each run
+    call: CppCall  # detached: filled in by each run
     numbers: tuple[tuple[str, int], ...]
     grads: list[torch.fx.Node | None]
     saved: list[torch.fx.Node | None]
@@ -206,9 +210,9 @@ def running_final_callbacks(runtime_wrapper: Callable[..., Any], record: Capture
     Dynamo's (run by the graph's ``exec_final_callbacks``). A backward that raises
     runs none, as in eager. ``record.final_callbacks`` counts those run."""
 
-    @_compat.without_dynamo
+    @without_dynamo
     def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
-        with _compat.collecting_final_callbacks() as queued:
+        with collecting_final_callbacks() as queued:
             out = runtime_wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
             i = 0
             while i < len(queued):  # a callback may queue more
@@ -236,11 +240,13 @@ def make_runtime_wrapper(
     ctx numbers), re-marked when the graph's code is regenerated; ``checks``: the
     verify checks of opted-in traced nodes."""
     compiled: list[Callable[..., Any]] = []  # set once every node has run
+    # Only a Python opaque node runs under the caller's dispatch keys: read them then.
+    python = any(node.fn is None for node in nodes)
     fallbacks: dict[tuple[int, ...], torch.fx.GraphModule] = {}  # by refused checks
 
-    @_compat.without_dynamo
+    @without_dynamo
     def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
-        start = time.perf_counter() if opaque._TIMING else 0.0
+        start = time.perf_counter() if binding.TIMING else 0.0
         record.observe(scalars, hooks)
         ints: Sequence[int] = ()
         floats: Sequence[float] = ()
@@ -257,7 +263,7 @@ def make_runtime_wrapper(
                 if gm is None:
                     gm = fallbacks[refused] = fallback_graph(graph_module, [checks[i].fallback for i in refused])
                 runner = _Differentiable(gm).run_to_list if torch.is_grad_enabled() else gm
-                with opaque.bound_run(hooks, nodes, ints, floats):
+                with binding.bound_run(hooks, nodes, ints, floats, python):
                     return runtime_wrapper(runner, inputs, sizes, scalars, hooks, packed_inputs)
         if not nodes:  # nothing opaque: the graph as captured (traced C++ nodes may
             # read the packed floats)
@@ -265,7 +271,7 @@ def make_runtime_wrapper(
         if not compiled and all(node.defined is not None for node in nodes):
             reuse.name_learned_outputs(graph_module, nodes)
             fuse.chains(graph_module)  # new code: mark it again
-            _compat.mark_dynamic_scalars(graph_module.forward.__code__, dynamic_sources)
+            mark_dynamic_scalars(graph_module.forward.__code__, dynamic_sources)
             fn, record.compiled = reuse.compiled_for(graph_module, compiled_fn, compiler_fn)
             compiled.append(fn)
             log.info("capture !%d: first run done; %s code", record.ca_id, record.compiled)
@@ -277,9 +283,9 @@ def make_runtime_wrapper(
         else:
             counters["ca_dynsaved"]["first_eager_runs"] += 1
             fn = graph_module
-        if opaque._TIMING:
-            opaque._TIMING[-1]["wrapper"] += time.perf_counter() - start
-        with opaque.bound_run(hooks, nodes, ints, floats):
+        if binding.TIMING:
+            binding.TIMING[-1]["wrapper"] += time.perf_counter() - start
+        with binding.bound_run(hooks, nodes, ints, floats, python):
             return runtime_wrapper(fn, inputs, sizes, scalars, hooks, packed_inputs)
 
     return wrapper

@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
-from . import _compat
-from .probe import first_line
+from ._compat import UntestedTorchWarning
+from ._compat.capture import counters, no_ca
+from ._compat.dynamo import exception_line
 
 #: What every tested release gives for the loop (README, "Supported torch releases").
 EXPECTED = {"captures": 1, "compiles": 1, "graph_breaks": 0}
@@ -87,26 +88,26 @@ def run(build_dir: str | os.PathLike[str] | None = None) -> SelfCheckResult:
     from .demo import build_extension, default_build_dir
 
     result = SelfCheckResult(torch.__version__)
-    saved_counters = copy.deepcopy(dict(_compat.counters))
+    saved_counters = copy.deepcopy(dict(counters))
     try:
         ext = build_extension(default_build_dir() if build_dir is None else build_dir)
     except Exception as e:  # noqa: BLE001 - no compiler, a failed build: a failed check
-        result.differences.append(f"could not build its C++ extension ({type(e).__name__}: {first_line(e)})")
+        result.differences.append(f"could not build its C++ extension ({exception_line(e)})")
         return result
     ca_dynsaved.reset()
-    _compat.counters.clear()
+    counters.clear()
     try:
         with torch.random.fork_rng(devices=[]):
             _loop(ext, result)
     except Exception as e:  # noqa: BLE001 - whatever broke, the plugin must stay off
         tb = traceback.extract_tb(e.__traceback__)[-1]
         result.differences.append(
-            f"the loop raised {type(e).__name__}: {first_line(e)} (at {Path(tb.filename).name}:{tb.lineno})"
+            f"the loop raised {exception_line(e)} (at {Path(tb.filename).name}:{tb.lineno})"
         )
     finally:
         ca_dynsaved.reset()
-        _compat.counters.clear()
-        _compat.counters.update(saved_counters)
+        counters.clear()
+        counters.update(saved_counters)
     return result
 
 
@@ -125,7 +126,7 @@ def _loop(ext: Any, result: SelfCheckResult) -> None:
             h = _SelfCheckScale.apply(h, k, scale)
             return ext.gated_act(h, beta, gain).square().sum()
 
-        with _compat.no_ca():
+        with no_ca():
             want = torch.autograd.grad(loss(), params)
         for p in params:
             p.grad = None
@@ -137,7 +138,6 @@ def _loop(ext: Any, result: SelfCheckResult) -> None:
             elif not torch.allclose(p.grad, w, rtol=1e-5, atol=1e-6):
                 err = (p.grad - w).abs().max().item()
                 result.differences.append(f"step {step}: the {name} gradient differs from eager's (max error {err:.3g})")
-    counters = _compat.counters
     result.counts = {
         "captures": counters["compiled_autograd"]["captures"],
         "compiles": counters["stats"]["unique_graphs"],
@@ -169,7 +169,7 @@ def decide_on_untested_torch() -> None:
     else:
         switch_off(str(result))
         message = f"{result}. The plugin stays off: enable() and the config flag give stock compiled autograd."
-    warnings.warn(message, _compat.UntestedTorchWarning, stacklevel=3)
+    warnings.warn(message, UntestedTorchWarning, stacklevel=3)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,11 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _compat, opaque
+from ._compat.capture import counters
+from ._compat.dynamo import exception_line
+from ._compat.layout import CppCall
+from ._compat.symbolic import TorchDispatchMode, outside_capture, size_hints
+from . import opaque
 from .cpptrace import REWRITES
-from .probe import first_line
 
 def sentinel(kind: str, n: int, which: int) -> int | float:
     """The ``which``-th (0 or 1) sentinel of the ``n``-th saved number of ``kind``.
@@ -123,7 +125,7 @@ class Inputs:
     (dtype, device, small sizes) of its saved tensors and incoming grads."""
 
     fn: Callable[..., Any]
-    call: _compat.CppCall
+    call: CppCall
     saved: tuple[Any, ...]  # (sizes, dtype, device) per saved tensor, or the value
     grads: tuple[tuple[list[int], torch.dtype, torch.device], ...]
 
@@ -132,15 +134,12 @@ class Inputs:
         return self.call.keys
 
     @staticmethod
-    def of(fn: Callable[..., Any], call: _compat.CppCall) -> "Inputs":
+    def of(fn: Callable[..., Any], call: CppCall) -> "Inputs":
         saved = tuple(
-            (_small(_compat.size_hints(t)[0]), t.dtype, t.device) if isinstance(t, torch.Tensor) else t
+            (_small(size_hints(t)[0]), t.dtype, t.device) if isinstance(t, torch.Tensor) else t
             for t in call.saved
         )
-        grads = []
-        for info in call.output_info:
-            t = _compat.tensor_from_variable_info(info, concrete=True)
-            grads.append((_small(t.shape), t.dtype, t.device))
+        grads = [(_small(t.shape), t.dtype, t.device) for t in call.incoming_grads()]
         # output_info: the forward outputs' sizes, which an undefined grad is made of
         detached = call.detached().with_output_sizes([g[0] for g in grads])
         return Inputs(fn, detached, saved, tuple(grads))
@@ -150,7 +149,7 @@ class Inputs:
         most 2 elements a dimension: C++ kernels on a few elements cost a few
         microseconds an op, where fake or meta tensors' Python dispatch costs 100."""
         recorder = _Recorder()
-        with _compat.outside_capture(), torch.no_grad():
+        with outside_capture(), torch.no_grad():
             saved = [torch.zeros(s[0], dtype=s[1], device=s[2]) if isinstance(s, tuple) else s for s in self.saved]
             grads = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in self.grads]
             try:
@@ -175,7 +174,7 @@ def plan(name: str, inputs: Inputs, kinds: dict[str, str]) -> Plan:
     key = (name, inputs.keys, tuple(kinds.values()))
     found = _CACHE.get(key)
     if found is None:
-        _compat.counters["ca_dynsaved"]["sentinel_plans"] += 1
+        counters["ca_dynsaved"]["sentinel_plans"] += 1
         found = _CACHE[key] = _plan(inputs, kinds)
         if not found.traced:
             refused(name, found.reason)
@@ -230,7 +229,7 @@ def _plan(inputs: Inputs, kinds: dict[str, str]) -> Plan:
     for chosen in sentinels:
         ops, error = inputs.record([chosen[k] for k in inputs.keys])
         if error is not None:
-            return Plan(False, f"its backward did not run on sentinel values ({type(error).__name__}: {first_line(error)})")
+            return Plan(False, f"its backward did not run on sentinel values ({exception_line(error)})")
         traces.append(ops)
     first, second = traces
     if [op for op, _ in first] != [op for op, _ in second]:
@@ -280,7 +279,7 @@ def check(plan_: Plan, inputs: Inputs, new: dict[str, int | float]) -> str:
     with those values; else what differs."""
     ops, error = inputs.record([new[k] for k in inputs.keys])
     if error is not None:
-        return f"its backward raised ({type(error).__name__}: {first_line(error)})"
+        return f"its backward raised ({exception_line(error)})"
     if len(ops) != len(plan_.template):
         return f"it runs {len(ops)} ops instead of {len(plan_.template)}"
     for index, ((op, leaves), (t_op, t_leaves)) in enumerate(zip(ops, plan_.template)):

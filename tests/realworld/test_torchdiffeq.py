@@ -8,7 +8,7 @@ decision and recompiles as the values change; the plugin runs it opaque (the pro
 cannot run it on fake tensors): one compile, whatever the tolerance schedule.
 
 The opaque op runs that nested ``torch.autograd.grad`` as eager's engine would, with
-the caller's dispatch keys (``opaque._call_backward``): a compiled graph calls it
+the caller's dispatch keys (``opaque.run_python``): a compiled graph calls it
 below autograd, where the adjoint's dynamics would record no history.
 
 Quirk: none (scipy, its dependency, is pinned by the test extra).

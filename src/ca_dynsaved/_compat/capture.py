@@ -1,0 +1,107 @@
+"""What a capture uses of stock compiled autograd's module.
+
+Touches: ``torch._dynamo.compiled_autograd`` (``AutogradCompilerInstance``, ``_enable``,
+``_disable``, ``ops``, ``disable_proxy_modes_tracing``, ``active_disable_ctx``), its C++ half
+``torch._C._dynamo.compiled_autograd`` (the cache), ``torch._dynamo.external_utils.
+call_backward``, ``torch._dynamo.utils.counters``, ``Tensor.grad_dtype``,
+``torch._C._is_alias_of``. Releases: the same on 2.11 to 2.15 (``grad_dtype``: set by
+2.15's FSDP2 mixed precision, None elsewhere).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch._dynamo.compiled_autograd as ca
+from torch._dynamo.utils import counters
+
+#: The stock capture class; the plugin subclasses it.
+StockCompilerInstance = ca.AutogradCompilerInstance
+#: The stock ``_enable`` context manager, captured before the plugin wraps it.
+stock_enable: Callable[..., Any] = ca._enable
+
+_cpp = torch._C._dynamo.compiled_autograd
+
+
+def clear_ca_cache() -> None:
+    """Drop every cached CA graph (the C++ shadow graph), as ``ca.reset`` does."""
+    _cpp.clear_cache()
+
+
+def ca_cache_is_empty() -> bool:
+    return bool(_cpp.is_cache_empty())
+
+
+def swap_instance_class(cls: Callable[..., Any]) -> Callable[..., Any]:
+    """Set the class ``ca._enable`` instantiates; returns the previous one."""
+    prior = ca.AutogradCompilerInstance
+    ca.AutogradCompilerInstance = cls
+    return prior
+
+
+def swap_enable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Set ``ca._enable`` (looked up by attribute by Dynamo's config path)."""
+    prior = ca._enable
+    ca._enable = fn
+    return prior
+
+
+def stock_ca(compiler_fn: Callable[..., Any]) -> Any:
+    """Stock compiled autograd around a block (through the plugin's ``_enable`` hook,
+    so the CA cache changes hands): the baseline of the demo and ``run --compare``."""
+    return ca._enable(compiler_fn)
+
+
+def no_ca() -> Any:
+    """Plain autograd inside a block, even within a CA context: the eager reference."""
+    return ca._disable()
+
+
+def call_backward(ctx: Any, saved_tensors: list[Any], *grads: Any) -> tuple[Any, ...]:
+    """Run a Python custom function's backward exactly as a CA graph does."""
+    from torch._dynamo.external_utils import call_backward
+
+    return call_backward(ctx, saved_tensors, *grads)
+
+
+#: Where ``register_autograd`` puts the autograd.Function it generates for a custom
+#: op (2.11 to 2.15): torch's module, around the user's backward.
+_GENERATED_AUTOGRAD_MODULE = "torch._library.autograd"
+
+
+def is_torch_own_function(cls: type) -> bool:
+    """A Python autograd.Function of torch itself (FSDP2's hooks, checkpointing), not
+    one a custom op's ``register_autograd`` generated around the user's backward."""
+    module = cls.__module__
+    return module.partition(".")[0] == "torch" and module != _GENERATED_AUTOGRAD_MODULE
+
+
+#: Torch's event counters (``counters["ca_dynsaved"]`` holds the plugin's own).
+counters = counters
+
+
+def capture_count() -> int:
+    """CA captures so far in this process (a backward that added one missed CA's cache)."""
+    return counters["compiled_autograd"]["captures"]
+
+
+# --- What a capture allocates ----------------------------------------------------------
+def grad_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype ``t.grad`` gets: ``t.grad_dtype`` (``t``'s unless set; None allows
+    any, then ``t``'s)."""
+    return t.grad_dtype or t.dtype
+
+
+def no_proxy_modes() -> Any:
+    """CA's context for making real tensors while a capture traces."""
+    return ca.disable_proxy_modes_tracing()
+
+
+#: Whether two tensors share storage (a view, a detach, the same tensor): one C++ call.
+is_alias_of = torch._C._is_alias_of
+
+
+def validate_outputs_fn() -> Callable[..., Any]:
+    """The C++ ``validate_outputs`` functional, bound by the first CA capture."""
+    return ca.ops.get("validate_outputs").fn

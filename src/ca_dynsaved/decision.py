@@ -1,0 +1,260 @@
+"""What happens to one custom-function node of a capture, decided before anything runs.
+
+Every custom-function node a capture meets gets one ``Decision``: its handling
+(``TRACED``, ``OPAQUE`` or ``STOCK``), the reason, and the plan its mechanism needs.
+``compiler.py`` executes the plan and ``report`` prints the handling and the reason as
+they are, so "why did my node run opaque" is answered by one function per kind of
+node, here, each from what the capture knows (the call's arguments and lifted
+scalars, the ctx, the user's options):
+
+* ``decide_cpp``: a C++ ``torch::autograd::Function`` (``apply_functional``);
+* ``decide_python``: a Python ``autograd.Function`` (``proxy_call_backward``).
+
+The plans:
+
+* ``CppTrace``: the backward reads its numbers symbolically (``cpptrace``): traced as
+  it is, its lifted ints dynamic, its doubles read from the packed float64 tensor;
+* ``SentinelTrace``: a ``toInt()`` / ``toDouble()`` reader opted in with ``trace_cpp``
+  (``sentinel``): traced with sentinels, rewritten to the lifted values, and, with
+  ``verify``, each new tuple of values checked before the compiled graph uses it;
+* ``PythonTrace``: stock CA traces it, its ctx numbers dynamic from the first
+  compile (``pyctx``, ``probe``);
+* ``OpaqueCall``: one opaque op runs the backward with this step's values
+  (``opaque``); which saved values it takes from the capture rather than the graph.
+
+The probes behind a decision (``cpptrace``, ``sentinel``, ``probe``, ``graphbreak``)
+cache their verdicts per function and layout. A decision changes once at most: an
+opaque node whose call the op cannot express (known only when ``validate_outputs``
+gives its outputs' symbolic metadata) keeps stock tracing (``Decision.demoted``).
+Model: thunder's ``splitter.py``, a ``SplitReason`` per node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence, Union
+
+import torch
+
+from ._compat.layout import CppCall, LayoutError, cpp_node_name, pytree
+from . import cpptrace, graphbreak, probe, pyctx, sentinel
+from .opaque import FLOAT
+from .probe import is_number
+
+#: A node's handling, as the report prints it.
+TRACED, OPAQUE, STOCK = "traced-dynamic", "opaque", "stock"
+EXCLUDED = "excluded by enable(exclude=...)"
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the user chose for a plugin context (``enable``'s options)."""
+
+    exclude: frozenset[str] = frozenset()  # name substrings that keep stock
+    python_policy: str = pyctx.AUTO
+    trace_cpp: frozenset[str] = frozenset()  # C++ name substrings opted into tracing
+    verify: bool = True
+
+    def excluded(self, name: str) -> bool:
+        return any(pattern in name for pattern in self.exclude)
+
+
+@dataclass(frozen=True)
+class Lifted:
+    """A ``saved_data`` int or double CA lifted into the graph's ``scalars``."""
+
+    kind: str  # INT or FLOAT
+    slot: int  # its index among the lifted scalars of its kind (the packed tensors)
+    index: int  # its index among all lifted scalars (``scalars[index]``)
+    value: int | float  # its value at capture
+
+
+@dataclass(frozen=True)
+class CppTrace:
+    """Trace the C++ backward as it is; ``scalars``: the lifted scalars (indices) it
+    reads, dynamic from the first compile; ``floats``: one of them is a double."""
+
+    scalars: tuple[int, ...]
+    floats: bool
+
+
+@dataclass(frozen=True)
+class SentinelTrace:
+    """Trace the C++ backward with sentinels for its numbers (``sentinel.Plan``),
+    then make them the lifted ``scalars``; ``verify``: check each new tuple."""
+
+    plan: sentinel.Plan
+    inputs: sentinel.Inputs
+    scalars: tuple[int, ...]
+    verify: bool
+
+
+@dataclass(frozen=True)
+class PythonTrace:
+    """Stock CA traces the Python backward; ``sources``: its ctx numbers as Dynamo
+    names them (``L['hooks'][0].k``), dynamic from the first compile."""
+
+    sources: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class OpaqueCall:
+    """One opaque op runs the backward. C++: ``captured`` holds the saved values CA
+    hashed (bool, str, None, lists), which reach the op as data of the capture;
+    ``slots`` gives, per saved value, its index there (None: a lifted number, read
+    from the run). Python: ``inputs``, the positions of the forward's tensor inputs."""
+
+    captured: tuple[Any, ...] = ()
+    slots: tuple[int | None, ...] = ()
+    inputs: tuple[int, ...] = ()
+
+
+Plan = Union[CppTrace, SentinelTrace, PythonTrace, OpaqueCall, None]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One node's handling, why, and the plan its mechanism runs. ``saved``: per
+    saved key or ctx attribute, (type name, value at capture, lifted scalar index or
+    None), what the report shows of it."""
+
+    name: str
+    kind: str  # "C++" or "Python"
+    handling: str
+    reason: str
+    saved: tuple[tuple[str, str, Any, int | None], ...] = ()
+    plan: Plan = None
+
+    @property
+    def verified(self) -> bool:
+        """Traced with sentinels, each new value checked (traced-with-verify)."""
+        return isinstance(self.plan, SentinelTrace) and self.plan.verify
+
+    def demoted(self, reason: str) -> "Decision":
+        """This node kept as stock CA traces it, for ``reason``."""
+        return dataclasses.replace(self, handling=STOCK, reason=reason, plan=None)
+
+
+def decide_cpp(
+    args: Sequence[Any], fn: Callable[..., Any], traceable: bool, options: Options, lifted: Mapping[Any, Lifted]
+) -> tuple[Decision, CppCall | None]:
+    """The decision for a C++ custom function's call (CA's ``args``), and the call
+    parsed (None where its layout is not CA's): ``fn`` its functional, ``traceable``
+    whether it declares ``is_traceable``, ``lifted`` the capture's lifted scalars by
+    symnode."""
+    try:
+        call = CppCall.parse(args)  # the one parse of CA's layout
+    except LayoutError as e:
+        return Decision(cpp_node_name(args), "C++", STOCK, str(e)), None
+    node = Decision(call.name, "C++", STOCK, "", _cpp_saved(call, lifted))
+    if options.excluded(call.name):
+        return dataclasses.replace(node, reason=EXCLUDED), call
+    if not traceable:
+        return _opaque_cpp(node, call, "not is_traceable: its backward is not traced"), call
+    scalars = tuple(lifted[v.node].index for v in call.values if _is_symbolic(v) and v.node in lifted)
+    verdict = cpptrace.verdict(fn, call, lifted)
+    if verdict.traced:
+        sizes = cpptrace.size_dependence(fn, call)
+        if not sizes:
+            floats = any(lifted[v.node].kind is FLOAT for v in call.values)
+            trace = CppTrace(scalars, floats)
+            return dataclasses.replace(node, handling=TRACED, reason=verdict.reason, plan=trace), call
+        return _opaque_cpp(node, call, sizes), call
+    if not any(pattern in call.name for pattern in options.trace_cpp):
+        return _opaque_cpp(node, call, verdict.reason), call
+    kinds = {key: lifted[v.node].kind for key, v in zip(call.keys, call.values) if _is_symbolic(v) and v.node in lifted}
+    if not kinds or len(kinds) != len(call.keys):
+        return _opaque_cpp(node, call, verdict.reason), call  # a hashed value keeps it opaque
+    inputs = sentinel.Inputs.of(fn, call)
+    plan = sentinel.plan(call.name, inputs, kinds)
+    sizes = cpptrace.size_dependence(fn, call) if plan.traced else ""
+    if sizes:
+        sentinel.refused(call.name, sizes)
+    if not plan.traced or sizes:
+        return _opaque_cpp(node, call, f"trace_cpp refused: {sizes or plan.reason}"), call
+    checked = "; each new value verified" if options.verify else ""
+    reason = f"opt-in (trace_cpp): {plan.reason}{checked}"
+    trace = SentinelTrace(plan, inputs, scalars, options.verify)
+    return dataclasses.replace(node, handling=TRACED, reason=reason, plan=trace), call
+
+
+def _opaque_cpp(node: Decision, call: CppCall, reason: str) -> Decision:
+    """Opaque, each saved value CA hashed taken from the capture."""
+    captured: list[Any] = []
+    slots: list[int | None] = []
+    for value in call.values:
+        slots.append(len(captured) if _is_hashed_constant(value) else None)
+        if slots[-1] is not None:
+            captured.append(value)
+    plan = OpaqueCall(tuple(captured), tuple(slots))
+    return dataclasses.replace(node, handling=OPAQUE, reason=reason, plan=plan)
+
+
+def _cpp_saved(call: CppCall, lifted: Mapping[Any, Lifted]) -> tuple[tuple[str, str, Any, int | None], ...]:
+    saved = []
+    for key, value in zip(call.keys, call.values):
+        if _is_symbolic(value) and value.node in lifted:
+            scalar = lifted[value.node]
+            saved.append((key, scalar.kind, scalar.value, scalar.index))
+        elif _is_hashed_constant(value):
+            saved.append((key, type(value).__name__, value, None))
+    return tuple(saved)
+
+
+def decide_python(
+    ctx: Any,
+    hook: int,
+    options: Options,
+    backward_state_idx: Any,
+    opaque_object_indices: Any,
+    saved: Sequence[Any],
+    tensor_inputs: tuple[bool, ...],
+) -> Decision | None:
+    """The decision for a Python custom function's node (its ``ctx``, at ``hooks[hook]``;
+    ``saved``: its saved tensors at capture; ``tensor_inputs``: which forward inputs
+    were tensors), or None for torch's own compiled backward, which is no user
+    function (stock, unreported)."""
+    if hasattr(ctx._forward_cls, "_aot_id"):
+        return None
+    attributes = vars(ctx).items()
+    saved_values = tuple((k, type(v).__name__, v, None) for k, v in attributes if not isinstance(v, torch.Tensor))
+    node = Decision(ctx._forward_cls.__name__, "Python", STOCK, "", saved_values)
+    inputs = tuple(i for i, tensor in enumerate(tensor_inputs) if tensor)
+    opaque = dataclasses.replace(node, handling=OPAQUE, plan=OpaqueCall(inputs=inputs))
+    if options.excluded(node.name):
+        return dataclasses.replace(node, reason=EXCLUDED)
+    policy = options.python_policy
+    stock = pyctx.stock_reason(ctx, policy, backward_state_idx, opaque_object_indices)
+    if stock is not None:
+        return dataclasses.replace(node, reason=stock)
+    has_numbers = any(is_number(v) for v in vars(ctx).values())
+    if has_numbers and policy == pyctx.OPAQUE:
+        return opaque
+    if has_numbers:
+        verdict = probe.verdict(ctx, saved, tensor_inputs)
+        if not verdict.traced:
+            return dataclasses.replace(opaque, reason=verdict.reason)
+    breaks = graphbreak.break_reason(ctx, saved)
+    if breaks is not None:
+        return dataclasses.replace(opaque, reason=breaks)
+    if has_numbers:
+        plan = PythonTrace(tuple(pyctx.dynamic_sources(ctx, hook)))
+        return dataclasses.replace(node, handling=TRACED, reason=verdict.reason, plan=plan)
+    return dataclasses.replace(
+        node,
+        reason="no int or float ctx attribute, and Dynamo traces its backward "
+        "(bools, strs and tensors keep stock tracing)",
+    )
+
+
+def _is_symbolic(value: Any) -> bool:
+    return isinstance(value, (torch.SymInt, torch.SymFloat))
+
+
+def _is_hashed_constant(value: Any) -> bool:
+    """A saved value CA hashed into its cache key: nothing symbolic or tensor in it."""
+    return not any(
+        isinstance(leaf, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool))
+        for leaf in pytree.tree_leaves(value)
+    )

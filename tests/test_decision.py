@@ -1,0 +1,132 @@
+"""The per-node decision as data (``decision.py``): each kind of node gets the record
+the capture carried out, as the report keeps it (``report().nodes[i].decision``):
+its handling, its reason, and the plan its mechanism ran. Gradients equal eager in
+every case (``run_loop``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ca_dynsaved
+from ca_dynsaved import decision, opaque
+from ca_dynsaved._compat.symbolic import new_symbol, symbolic_probe_mode
+from helpers import leaf_grad_step, run_loop
+from test_python_auto import UnreadFlagFn
+
+#: The every-release subset (README, "Supported torch releases").
+pytestmark = pytest.mark.every_release
+
+
+def _decisions(step, steps: int = 2, **options) -> list[decision.Decision]:
+    """Run ``step`` under the plugin (aot_eager); the decisions of the first capture."""
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager", **options), steps=steps)
+    return [node.decision for node in ca_dynsaved.report().captures[0].nodes]
+
+
+def _saved(d: decision.Decision) -> dict[str, tuple[str, object]]:
+    return {key: (type_, value) for key, type_, value, _ in d.saved}
+
+
+def test_cpp_symbolic_reader_is_a_cpp_trace(ext):
+    (d,) = _decisions(leaf_grad_step(lambda x, i: ext.sym_scale_traceable(x, 3 + i, 0.5 + i, False)))
+    assert (d.kind, d.handling, d.verified) == ("C++", decision.TRACED, False)
+    assert d.reason == "reads its saved numbers symbolically (toSymInt/toSymFloat): a, s"
+    assert _saved(d) == {"a": ("int", 3), "s": ("float", 0.5)}
+    assert isinstance(d.plan, decision.CppTrace) and d.plan.floats
+    assert sorted(d.plan.scalars) == sorted(index for *_, index in d.saved) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("trace_cpp", "verify", "handling", "plan", "verified"),
+    [
+        ((), True, decision.OPAQUE, decision.OpaqueCall, False),
+        (("DirectFn",), True, decision.TRACED, decision.SentinelTrace, True),
+        (("DirectFn",), False, decision.TRACED, decision.SentinelTrace, False),
+    ],
+)
+def test_cpp_plain_reader_opaque_unless_opted_in(ext, trace_cpp, verify, handling, plan, verified):
+    step = leaf_grad_step(lambda x, i: ext.direct_fn(x, 3 + i, 0.5 + i, 1.5, 0))
+    (d,) = _decisions(step, trace_cpp=list(trace_cpp), verify=verify)
+    assert (d.handling, type(d.plan), d.verified) == (handling, plan, verified)
+    assert _saved(d) == {"k": ("int", 3), "alpha": ("float", 0.5), "beta": ("float", 1.5)}
+    if plan is decision.OpaqueCall:  # every saved value a lifted number: none from the capture
+        assert "is read as a plain number (guard" in d.reason
+        assert d.plan == decision.OpaqueCall(captured=(), slots=(None, None, None))
+    else:
+        assert d.reason.startswith("opt-in (trace_cpp): uses its saved numbers only as op arguments")
+        assert d.reason.endswith("; each new value verified") == verify
+        assert d.plan.plan.traced and d.plan.verify == verify
+        assert sorted(d.plan.scalars) == [0, 1, 2]
+
+
+def test_cpp_hashed_values_reach_the_op_from_the_capture(ext):
+    step = leaf_grad_step(lambda x, i: ext.config_opaque(x, True, "linear", [2, 1], 0.5, -1.0))
+    (d,) = _decisions(step)
+    assert (d.handling, d.reason) == (decision.OPAQUE, "not is_traceable: its backward is not traced")
+    assert isinstance(d.plan, decision.OpaqueCall) and None not in d.plan.slots
+    by_key = {key: d.plan.captured[slot] for (key, *_), slot in zip(d.saved, d.plan.slots)}
+    assert by_key == {"flip": True, "mode": "linear", "dims": [2, 1], "weights": {"a": 0.5, "b": -1.0}}
+
+
+def test_excluded_cpp_node_is_stock(ext):
+    step = leaf_grad_step(lambda x, i: ext.scale_opaque(x, 1 + i, 2, 0.5, 1.5))
+    (d,) = _decisions(step, exclude=["ScaleFn"])
+    assert (d.handling, d.reason, d.plan) == (decision.STOCK, decision.EXCLUDED, None)
+
+
+def test_unexpected_cpp_layout_is_stock(ext, monkeypatch):
+    from ca_dynsaved._compat import layout
+
+    monkeypatch.setattr(layout, "CPP_NODE_TRAILING_ARGS", layout.CPP_NODE_TRAILING_ARGS + 1)
+    (d,) = _decisions(leaf_grad_step(lambda x, i: ext.scale_opaque(x, 1 + i, 2, 0.5, 1.5)))
+    assert (d.handling, d.plan, d.saved) == (decision.STOCK, None, ())
+    assert d.reason.startswith("unexpected CppNode argument layout")
+
+
+class _Flag(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, flag):
+        ctx.flag = flag
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2.0, None
+
+
+@pytest.mark.parametrize(
+    ("policy", "handling", "plan"),
+    [
+        ("auto", decision.TRACED, decision.PythonTrace(("L['hooks'][0].k",))),
+        ("opaque", decision.OPAQUE, decision.OpaqueCall(inputs=(0,))),
+        ("stock", decision.STOCK, None),
+    ],
+)
+def test_python_node_by_policy(policy, handling, plan):
+    (d,) = _decisions(leaf_grad_step(lambda x, i: UnreadFlagFn.apply(x, 2 + i, True)), python_policy=policy)
+    assert (d.kind, d.name, d.handling, d.plan) == ("Python", "UnreadFlagFn", handling, plan)
+    assert _saved(d) == {"k": ("int", 2), "flag": ("bool", True)}
+    reasons = {"auto": "its ctx numbers only reach tensor math: ctx.k", "opaque": "", "stock": 'python_policy="stock"'}
+    assert d.reason == reasons[policy]
+
+
+def test_python_node_without_numbers_keeps_stock_tracing():
+    (d,) = _decisions(leaf_grad_step(lambda x, i: _Flag.apply(x, i % 2 == 0)))
+    assert (d.handling, d.plan) == (decision.STOCK, None)
+    assert d.reason.startswith("no int or float ctx attribute, and Dynamo traces its backward")
+
+
+def test_a_call_the_op_cannot_express_is_refused_and_the_node_demoted():
+    """What ``validate_outputs`` does when a deferred opaque node's call holds a
+    symbolic bool, or a symbolic float that is no lifted value: ``node_spec``
+    refuses it, and the decision becomes stock with that reason."""
+    shape_env, _ = symbolic_probe_mode()
+    n = new_symbol(shape_env, "n", 5)
+    f = new_symbol(shape_env, "f", 0.5)
+    for leaf, why in ((n > 2, "a symbolic bool"), (f, "a symbolic SymFloat that is not a lifted saved value")):
+        with pytest.raises(opaque.Unexpressible, match=why):
+            opaque.node_spec("Fn", ([leaf],), [None], {})
+    opaque_decision = decision.Decision("Fn", "C++", decision.OPAQUE, "toInt()", plan=decision.OpaqueCall())
+    demoted = opaque_decision.demoted("a symbolic bool")
+    assert (demoted.handling, demoted.reason, demoted.plan) == (decision.STOCK, "a symbolic bool", None)
