@@ -121,7 +121,7 @@ def timed(start: float, backward: float) -> None:
     totals["calls"] += 1
 
 
-def call_backward(run: Run, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+def call_user_backward(run: Run, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     """``fn(*args)`` (the user's backward) under the caller's autocast state, and its
     seconds while timing (else 0)."""
     called = time.perf_counter() if TIMING else 0.0

@@ -232,8 +232,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         slot = len(self._nodes)
         self._nodes.append(opaque.NodeCapture(deferred.fn, plan.captured))
         self._record(deferred.decision, deferred.hook)
-        grads, symints = self.to_proxy(deferred.grads), [self.to_proxy(s) for s in symints]
-        tensors = [self.to_proxy(t) for t in tensors]
+        grads, tensors, symints = self.to_proxy(deferred.grads), self.to_proxy(tensors), self.to_proxy(symints)
         if deferred.call is not None:
             # Its lifted numbers reach the op through the run (binding.bound_run).
             self._opaque_reads_scalars |= reads_scalars

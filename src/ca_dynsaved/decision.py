@@ -116,8 +116,10 @@ Plan = Union[CppTrace, SentinelTrace, PythonTrace, OpaqueCall, None]
 @dataclass(frozen=True)
 class Decision:
     """One node's handling, why, and the plan its mechanism runs. ``saved``: per
-    saved key or ctx attribute, (type name, value at capture, lifted scalar index or
-    None), what the report shows of it."""
+    saved key or ctx attribute, (key, type name, value at capture, lifted scalar
+    index or None), what the report shows of it; for a C++ node, a lifted number's
+    type name is its kind (INT / FLOAT), and an entry without an index is a value CA
+    hashed."""
 
     name: str
     kind: str  # "C++" or "Python"
@@ -152,18 +154,18 @@ def decide_cpp(
         return dataclasses.replace(node, reason=EXCLUDED), call
     if not traceable:
         return _opaque_cpp(node, call, "not is_traceable: its backward is not traced"), call
-    scalars = tuple(lifted[v.node].index for v in call.values if _is_symbolic(v) and v.node in lifted)
+    # the lifted numbers, in the call's order: index among all lifted scalars, kind
+    scalars = tuple(index for *_, index in node.saved if index is not None)
+    kinds = {key: kind for key, kind, _, index in node.saved if index is not None}
     verdict = cpptrace.verdict(fn, call, lifted)
     if verdict.traced:
         sizes = cpptrace.size_dependence(fn, call)
         if not sizes:
-            floats = any(lifted[v.node].kind is FLOAT for v in call.values)
-            trace = CppTrace(scalars, floats)
+            trace = CppTrace(scalars, FLOAT in kinds.values())
             return dataclasses.replace(node, handling=TRACED, reason=verdict.reason, plan=trace), call
         return _opaque_cpp(node, call, sizes), call
     if not any(pattern in call.name for pattern in options.trace_cpp):
         return _opaque_cpp(node, call, verdict.reason), call
-    kinds = {key: lifted[v.node].kind for key, v in zip(call.keys, call.values) if _is_symbolic(v) and v.node in lifted}
     if not kinds or len(kinds) != len(call.keys):
         return _opaque_cpp(node, call, verdict.reason), call  # a hashed value keeps it opaque
     inputs = sentinel.Inputs.of(fn, call)
@@ -180,14 +182,12 @@ def decide_cpp(
 
 
 def _opaque_cpp(node: Decision, call: CppCall, reason: str) -> Decision:
-    """Opaque, each saved value CA hashed taken from the capture."""
-    captured: list[Any] = []
-    slots: list[int | None] = []
-    for value in call.values:
-        slots.append(len(captured) if _is_hashed_constant(value) else None)
-        if slots[-1] is not None:
-            captured.append(value)
-    plan = OpaqueCall(tuple(captured), tuple(slots))
+    """Opaque, each saved value CA hashed (``node.saved``'s entries without a lifted
+    index) taken from the capture."""
+    hashed = {key: value for key, _, value, index in node.saved if index is None}
+    captured = tuple(hashed.values())
+    order = {key: n for n, key in enumerate(hashed)}
+    plan = OpaqueCall(captured, tuple(order.get(key) for key in call.keys))
     return dataclasses.replace(node, handling=OPAQUE, reason=reason, plan=plan)
 
 

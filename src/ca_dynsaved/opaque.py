@@ -37,8 +37,7 @@ from ._compat.capture import call_backward, validate_outputs_fn
 from ._compat.dynamo import CUDAGRAPH_UNSAFE, without_dynamo
 from ._compat.engine import ForceDispatchKeys
 from ._compat.layout import CppCall, metadata_device, metadata_sizes, pytree
-from .binding import TIMING, bound, timed
-from .binding import call_backward as call_user_backward
+from .binding import TIMING, bound, call_user_backward, timed
 from .outputs import finish
 
 # Leaf kinds of a node's flattened (call args, output metadata): a constant of the
