@@ -6,13 +6,13 @@ every case (``run_loop``)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import ca_dynsaved
 from ca_dynsaved import decision, opaque
 from ca_dynsaved._compat.symbolic import new_symbol, symbolic_probe_mode
 from helpers import leaf_grad_step, run_loop
 from test_python_auto import UnreadFlagFn
+from test_python_ctx import BranchFn
 
 
 def _decisions(step, steps: int = 2, **options) -> list[decision.Decision]:
@@ -82,17 +82,6 @@ def test_unexpected_cpp_layout_is_stock(ext, monkeypatch):
     assert d.reason.startswith("unexpected CppNode argument layout")
 
 
-class _Flag(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, flag):
-        ctx.flag = flag
-        return x * 2.0
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 2.0, None
-
-
 @pytest.mark.parametrize(
     ("policy", "handling", "plan"),
     [
@@ -110,7 +99,7 @@ def test_python_node_by_policy(policy, handling, plan):
 
 
 def test_python_node_without_numbers_keeps_stock_tracing():
-    (d,) = _decisions(leaf_grad_step(lambda x, i: _Flag.apply(x, i % 2 == 0)))
+    (d,) = _decisions(leaf_grad_step(lambda x, i: BranchFn.apply(x, i % 2 == 0)))
     assert (d.handling, d.plan) == (decision.STOCK, None)
     assert d.reason.startswith("no int or float ctx attribute, and Dynamo traces its backward")
 
