@@ -44,6 +44,29 @@ VARIANTS = ("cpp", "cpp_sym", "cpp_direct", "python", "hashed")
 CONFIGS = ("eager", "stock_constant", "stock_varying", "plugin_varying", "plugin_opaque_varying", "plugin_trust_varying")
 
 
+#: The run length the tables project to: the first steps as measured, then the steady step.
+LONG_RUN = 2000
+
+
+def long_run_s(r: dict) -> float:
+    """Seconds to ``LONG_RUN`` steps: the measured first ``r['steps']`` (compiles
+    included), then the steady step for the rest."""
+    return r["total_s"] + r["steady_us"] * 1e-6 * (LONG_RUN - r["steps"])
+
+
+def crossing(r: dict, other: dict) -> str:
+    """Where ``r``'s cumulative time crosses ``other``'s (both linear after their
+    measured first steps): who is ahead, and from which step on."""
+    lead = other["total_s"] - r["total_s"]  # > 0: r ahead after the first steps
+    gain = (other["steady_us"] - r["steady_us"]) * 1e-6  # > 0: r gains each step
+    if lead >= 0 and gain >= 0:
+        return "ahead throughout"
+    if lead <= 0 and gain <= 0:
+        return "behind throughout"
+    step = r["steps"] + lead / -gain
+    return f"{'ahead' if lead < 0 else 'behind'} from step {step:,.0f}"
+
+
 def table(data: dict) -> str:
     first = next(r for r in data["results"] if r.get("model") not in ("capture", "chain", "varying_batch"))
     lines = [
@@ -52,7 +75,9 @@ def table(data: dict) -> str:
         "in turn, each from a fresh state warmed past its compiles), values still changing; backend "
         f"{first['backend']}; torch {data['torch']}; {data['machine']}; {data['date']}. "
         "Ratios are against stock compiled autograd in the same run, with values that "
-        "never change (stock_constant, the floor) and that change every step (stock_varying).",
+        "never change (stock_constant, the floor) and that change every step (stock_varying). "
+        f"{LONG_RUN:,} steps: the first steps as measured, then the steady step; against stock_varying: "
+        "whether the config's cumulative time is ahead of stock's (the same workload), and from which step.",
     ]
     for model, title in MODELS.items():
         rows = _rows(data, model)
@@ -65,8 +90,9 @@ def table(data: dict) -> str:
             "",
             "| variant | config | compiles | captures | opaque nodes | total s | steady µs/step | "
             "total / stock_constant | total / stock_varying | steady / stock_constant | "
-            "steady / stock_varying | µs per opaque node |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            f"steady / stock_varying | µs per opaque node | {LONG_RUN:,} steps s | {LONG_RUN:,} / stock_varying | "
+            "against stock_varying |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for v in variants:
             floor, varying = rows.get((v, "stock_constant")), rows.get((v, "stock_varying"))
@@ -82,7 +108,8 @@ def table(data: dict) -> str:
                     f"| {v} | {config} | {r['compiles']} | {r['captures']} | {r['opaque_nodes']} | "
                     f"{r['total_s']:.2f} | {r['steady_us']:.0f} | {r['total_s'] / floor['total_s']:.2f} | "
                     f"{r['total_s'] / varying['total_s']:.2f} | {r['steady_us'] / floor['steady_us']:.2f} | "
-                    f"{r['steady_us'] / varying['steady_us']:.2f} | {per_node} |"
+                    f"{r['steady_us'] / varying['steady_us']:.2f} | {per_node} | {long_run_s(r):.1f} | "
+                    f"{long_run_s(r) / long_run_s(varying):.2f} | {'' if r is varying else crossing(r, varying)} |"
                 )
     captures = [r for r in data["results"] if r.get("model") == "capture"]
     if captures:
@@ -181,8 +208,9 @@ def summary(data: dict) -> str:
         f"Torch {data['torch']}, inductor, {data['machine']}, {data['date']}.",
         "",
         "| model | custom function: how the plugin runs it | compiles, stock → plugin | graph breaks, stock → plugin "
-        "| plugin step ÷ stock, values changing | ÷ stock, values constant | ÷ eager |",
-        "|---|---|---|---|---|---|---|",
+        "| plugin step ÷ stock, values changing | ÷ stock, values constant | ÷ eager "
+        f"| {LONG_RUN:,} steps ÷ stock, values changing |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for model, variant, title, function in SUMMARY:
         rows = _rows(data, model)
@@ -191,7 +219,7 @@ def summary(data: dict) -> str:
         lines.append(
             f"| {title} | {function} | {stock['compiles']} → {plugin['compiles']} | {stock['breaks']} → {plugin['breaks']} | "
             f"{plugin['steady_us'] / stock['steady_us']:.2f} | {plugin['steady_us'] / constant['steady_us']:.2f} | "
-            f"{plugin['steady_us'] / eager['steady_us']:.2f} |"
+            f"{plugin['steady_us'] / eager['steady_us']:.2f} | {long_run_s(plugin) / long_run_s(stock):.2f} |"
         )
     for r in (r for r in data["results"] if r.get("model") == "varying_batch"):
         per_step = [n / r["warmup_steps"]["stock_varying"] for n in r["counts_at_warmup"]["stock_varying"]]
@@ -201,7 +229,8 @@ def summary(data: dict) -> str:
             f"| message passing, batch size new every step | C++ gathers saving sizes as an int list: "
             f"{plugin[0]} captures, then plain autograd | {per_step[1]:g} a step → {plugin[1]} | "
             f"{per_step[2]:g} a step → {plugin[2]} | {ms['plugin_varying'] / ms['stock_varying']:.3f} | "
-            f"{ms['plugin_varying'] / ms['stock_constant']:.2f} (one batch size) | {ms['plugin_varying'] / ms['eager']:.2f} |"
+            f"{ms['plugin_varying'] / ms['stock_constant']:.2f} (one batch size) | {ms['plugin_varying'] / ms['eager']:.2f} "
+            "| – |"
         )
     return "\n".join(lines) + "\n"
 
@@ -222,7 +251,8 @@ def plot(data: dict, path: Path) -> bool:
         return False
     batch = next((r for r in data["results"] if r.get("model") == "varying_batch"), None)
     panels = [m for m in MODELS if _rows(data, m)]
-    fig, axes = plt.subplots(1, len(panels) + bool(batch), figsize=(5.5 * (len(panels) + bool(batch)), 4.2), squeeze=False)
+    columns = len(panels) + bool(batch)
+    fig, axes = plt.subplots(2, columns, figsize=(5.5 * columns, 8.0), squeeze=False)
     width = 0.8 / len(_BARS)
     for ax, model in zip(axes[0], panels):
         rows = _rows(data, model)
@@ -236,6 +266,18 @@ def plot(data: dict, path: Path) -> bool:
             ax.bar_label(bars, [str(rows[(v, config)]["compiles"]) for v in variants], fontsize=7)
         ax.set_xticks(range(len(variants)), variants)
         ax.set(title=f"{model}: steady step (on each bar: compiles)", ylabel="ms per step")
+    for ax, model in zip(axes[1], panels):
+        rows = _rows(data, model)
+        variants = [v for v in VARIANTS if (v, "eager") in rows]
+        for i, (config, colour) in enumerate(_BARS):
+            ax.bar(
+                [j + (i - 1.5) * width for j in range(len(variants))],
+                [long_run_s(rows[(v, config)]) for v in variants], width, color=colour,
+            )
+        ax.set_xticks(range(len(variants)), variants)
+        ax.set(title=f"{model}: {LONG_RUN:,} steps (first steps measured, then steady)", ylabel="seconds")
+    if batch:
+        axes[1][-1].axis("off")
     if batch:
         ax = axes[0][-1]
         configs = [c for c, _ in _BARS]

@@ -252,7 +252,9 @@ struct SymScaleFn : public Function<SymScaleFn<TRACE, MODE>> {
 // The other modes do what a sentinel check must refuse or verify must catch:
 // 1 a transformed double, 2 k % 2, 3 caps (std::min) both sentinels pass under,
 // 4 the double into leaky_relu (a Scalar-only op), 5 a branch on the double,
-// 6 a tensor size read as a number (x.size(0)): traced, it would be baked in.
+// 6 a tensor size read as a number (x.size(0)): traced, it would be baked in;
+// 7 a size read only for large k (a branch verify's small tensors take the other
+// way), 8 a read of the tensor's data (item()).
 template <int MODE>
 struct DirectFn : public Function<DirectFn<MODE>> {
   static constexpr bool is_traceable = true;
@@ -282,8 +284,16 @@ struct DirectFn : public Function<DirectFn<MODE>> {
       gx = at::leaky_relu(g[0] * x, alpha) * static_cast<double>(k) + g[0] * beta;
     } else if constexpr (MODE == 5) {
       gx = alpha > 0.5 ? g[0] * x * alpha * static_cast<double>(k) : g[0] * beta;
-    } else {
+    } else if constexpr (MODE == 6) {
       gx = g[0] * x * alpha * static_cast<double>(k) * static_cast<double>(x.size(0)) + g[0] * beta;
+    } else if constexpr (MODE == 7) {
+      // reads a size only for k above both sentinels; on verify's small tensors the
+      // branch goes the template's way
+      bool big = k > 1000000 && x.size(0) > 3;
+      gx = g[0] * x * alpha * (big ? 2.0 : 1.0) + g[0] * beta;
+    } else {
+      // reads the tensors' data
+      gx = at::equal(x, g[0]) ? g[0] * beta : g[0] * x * alpha + g[0] * beta;
     }
     return {gx, at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -297,7 +307,9 @@ at::Tensor direct_fn(at::Tensor x, int64_t k, double alpha, double beta, int64_t
     case 3: return DirectFn<3>::apply(x, k, alpha, beta);
     case 4: return DirectFn<4>::apply(x, k, alpha, beta);
     case 5: return DirectFn<5>::apply(x, k, alpha, beta);
-    default: return DirectFn<6>::apply(x, k, alpha, beta);
+    case 6: return DirectFn<6>::apply(x, k, alpha, beta);
+    case 7: return DirectFn<7>::apply(x, k, alpha, beta);
+    default: return DirectFn<8>::apply(x, k, alpha, beta);
   }
 }
 

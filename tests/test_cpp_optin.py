@@ -1,10 +1,13 @@
-"""C++ functions reading with toInt() / toDouble(), opted in with enable(trace_cpp=...):
-traced and fused when two sentinel traces agree, refused (opaque, with a warning)
-when they do not, and checked per new value by verify, which runs a refused step
-with the node called directly."""
+"""C++ functions reading with toInt() / toDouble(): traced and fused when two
+sentinel traces agree (by default, each new value verified; opted in with
+enable(trace_cpp=...), verify may be switched off), refused (opaque; with a warning
+only when opted in) when they do not, and checked per new value by verify, which
+runs a refused step with the node called directly. docs/cpp.md, "Why the default
+is sound", names each refusal; each has its test here."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import pytest
@@ -17,7 +20,7 @@ from helpers import Counts, counts, entry_point, frame_breaks, leaf_grad_step, r
 pytestmark = pytest.mark.every_release
 
 NAME = "DirectFn"
-DIRECT, TRANSFORMED, PARITY, CAPPED, LEAKY, BRANCH, SIZED = range(7)
+DIRECT, TRANSFORMED, PARITY, CAPPED, LEAKY, BRANCH, SIZED, SIZE_GATED, DATA = range(9)
 
 
 def _k(i: int) -> int:
@@ -68,13 +71,47 @@ def test_stock_recompiles_the_direct_reader(ext):
     assert counts() == Counts(captures=1, compiles=torch._dynamo.config.recompile_limit, graph_breaks=0)
 
 
-def test_not_opted_in_stays_opaque(ext):
-    run_loop(_step(ext, DIRECT), lambda: ca_dynsaved.enable(backend="aot_eager", fullgraph=True))
+def test_plain_reader_traced_by_default(ext):
+    """No opt-in: the same node traced with sentinels, each new value verified, and
+    nothing in the user's warnings."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        run_loop(_step(ext, DIRECT), lambda: ca_dynsaved.enable(backend="aot_eager", fullgraph=True))
+    assert [w for w in seen if "ca_dynsaved" in str(w.message)] == []
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
     (node,) = ca_dynsaved.report().nodes
-    assert node.handling == "opaque"
-    assert node.reason.startswith("saved 'k' is read as a plain number (guard ")
+    assert (node.handling, node.reason) == (
+        "traced-dynamic",
+        "read with toInt()/toDouble(), traced with sentinels: uses its saved numbers only as op arguments: "
+        "alpha, beta, k; each new value verified",
+    )
+    assert (_counter("sentinel_cpp_nodes"), _counter("optin_cpp_nodes"), _counter("opaque_nodes")) == (1, 0, 0)
+    assert (_counter("verify_traces"), _counter("verify_fallbacks")) == (12, 0)
+
+
+def test_default_tracing_always_verifies(ext):
+    """verify=False is the trace_cpp user's word about a function they named; a
+    node traced without being named is verified anyway: the capped steps run direct."""
+    run_loop(_step(ext, CAPPED, _capped_k, _capped_alpha), lambda: ca_dynsaved.enable(backend="aot_eager", verify=False))
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+    assert (_counter("verify_traces"), _counter("verify_fallbacks")) == (12, 2)
+
+
+@pytest.mark.parametrize("policy", ["opaque", "stock"])
+def test_cpp_policy_keeps_it_out_of_tracing(ext, policy):
+    run_loop(_step(ext, DIRECT), lambda: ca_dynsaved.enable(backend="aot_eager", cpp_policy=policy))
+    stock_compiles = torch._dynamo.config.recompile_limit  # one per new double, to the limit
+    assert counts() == Counts(captures=1, compiles=1 if policy == "opaque" else stock_compiles, graph_breaks=0)
+    (node,) = set(ca_dynsaved.report().nodes)
+    assert (node.handling, node.reason) == (policy, f"cpp_policy='{policy}'")
     assert _counter("sentinel_plans") == 0
+
+
+def test_trace_cpp_names_are_traced_under_any_policy(ext):
+    run_loop(_step(ext, DIRECT), _optin(cpp_policy="opaque"))
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+    assert {n.handling for n in ca_dynsaved.report().nodes} == {"traced-dynamic"}
+    assert _counter("optin_cpp_nodes") == 1
 
 
 #: mode -> the reason the sentinel check refuses it
@@ -98,6 +135,37 @@ def test_sentinel_check_refuses(ext, mode):
     assert (_counter("optin_cpp_nodes"), _counter("opaque_nodes")) == (0, 1)
 
 
+#: What the default's refusals add to the probe's reason: the sentinel traces',
+#: the size-read and the data-read refusals (docs/cpp.md, "Why the default is sound").
+DEFAULT_REFUSED = {
+    **REFUSED,
+    SIZED: "its backward reads a tensor's sizes (aten.size.default), which verify cannot check for other sizes",
+    DATA: "its backward reads a tensor's data (aten.equal.default), which verify cannot check",
+}
+
+
+def test_default_refusals_are_reported_not_warned(ext, caplog):
+    """Each refusal without an opt-in: opaque, one compile, eager's gradients, the
+    reason in the report, nothing in the user's warnings or WARNING log."""
+    caplog.set_level(logging.WARNING)
+    for mode, reason in DEFAULT_REFUSED.items():
+        ca_dynsaved.reset()
+        ca_dynsaved.reset_report()
+        torch._dynamo.utils.counters.clear()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            run_loop(_step(ext, mode), lambda: ca_dynsaved.enable(backend="aot_eager"), steps=3)
+        assert [w for w in seen if "ca_dynsaved" in str(w.message)] == [], mode
+        assert counts() == Counts(captures=1, compiles=1, graph_breaks=0), mode
+        (node,) = set(ca_dynsaved.report().nodes)
+        assert node.handling == "opaque", mode
+        # the symbolic probe's reason first (the data read stops it before any guard)
+        probe = "the probe could not run its backward (" if mode == DATA else "saved 'k' is read as a plain number (guard "
+        assert node.reason.startswith(probe), mode
+        assert node.reason.endswith("; " + reason), (mode, node.reason)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
 def test_a_size_read_as_a_number_stays_opaque(ext):
     """k * x.size(0): both sentinel traces agree (same sizes), but traced the size
     would be a constant of a graph CA reuses for other sizes. The size probe (fake
@@ -113,8 +181,8 @@ def test_a_size_read_as_a_number_stays_opaque(ext):
     assert counts() == Counts(captures=1, compiles=2, graph_breaks=0)
     (node,) = set(ca_dynsaved.report().nodes)
     assert node.handling == "opaque"
-    assert node.reason.startswith("trace_cpp refused: its ops depend on tensor sizes (")
-    assert "Eq(size4, 4)" in node.reason  # C++ size(0) specialised the symbol
+    # the sentinel traces see the C++ size(0) (a size-watching tensor)
+    assert node.reason == "trace_cpp refused: " + DEFAULT_REFUSED[SIZED]
 
 
 def test_refusal_warns_once_per_function(ext):
@@ -151,6 +219,25 @@ def test_verify_catches_what_both_sentinels_pass(ext):
     assert "verify ran it opaque for saved {'beta': 0.5, 'k': 2000000, 'alpha': 3.5}" in text
 
 
+def test_verify_sees_a_size_read_the_template_lacks(ext):
+    """k > 1000000 && x.size(0) > 3: both sentinels are under the bound, so the
+    template reads no size. At k = 2000000 verify's small tensors (size 2) take the
+    template's branch, but the run reads x's size where the template did not:
+    refused, and that step runs with the node called directly - on the real size 8
+    its gradient doubles, as eager's does."""
+    def step(i: int):
+        x = torch.linspace(-1.0, 1.0, 8, requires_grad=True)
+        ext.direct_fn(x * 2, 2_000_000 if i == 3 else 3 + i, 0.5, 0.25, SIZE_GATED).sum().backward()
+        return (x.grad,)
+
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=5)
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+    assert (_counter("verify_traces"), _counter("verify_fallbacks")) == (5, 1)
+    ((_, values, reason),) = ca_dynsaved.report().captures[0].refused
+    assert values["k"] == 2_000_000
+    assert reason == "it runs 7 ops instead of 5 (op 0 is aten.dim.default, not aten.mul.Scalar)"
+
+
 def test_without_verify_the_assertion_is_the_users(ext):
     """The same function with verify=False: the user's word is taken, and the capped
     step's gradient is wrong - what verify exists to catch."""
@@ -172,7 +259,7 @@ def test_verify_catches_a_branch_both_sentinels_take(ext):
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
     above = sum(_alpha(i) > 0.5 for i in range(12))
     assert (_counter("verify_traces"), _counter("verify_fallbacks")) == (12, above)
-    assert {reason for _, _, reason in ca_dynsaved.report().captures[0].refused} == {"it runs 3 ops instead of 1"}
+    assert {reason for _, _, reason in ca_dynsaved.report().captures[0].refused} == {"it runs 3 ops instead of 1 (op 0 is aten.mul.Tensor, not aten.mul.Scalar)"}
 
 
 def test_fallback_under_create_graph(ext):
@@ -209,3 +296,16 @@ def test_names_are_substrings_not_letters():
     with pytest.raises(TypeError, match="trace_cpp takes non-empty function-name substrings"):
         ca_dynsaved.enable(trace_cpp=[""])
     assert ca_dynsaved.enable(trace_cpp="DirectFn").trace_cpp == frozenset({"DirectFn"})
+
+
+def test_cpp_policy_config_entry(ext):
+    """The config path reads cpp_policy from its entry, as enable() reads it for None."""
+    with torch._dynamo.config.patch(**{ca_dynsaved.CONFIG_CPP_POLICY: "opaque"}), entry_point("config") as backward:
+        for i in range(3):
+            x = torch.linspace(-1.0, 1.0, 8, requires_grad=True)
+            backward(ext.direct_fn(x * 2, _k(i), _alpha(i), 0.1 * i, DIRECT).sum())
+            (want,) = _step(ext, DIRECT)(i)
+            torch.testing.assert_close(x.grad, want)
+    assert {n.handling for n in ca_dynsaved.report().nodes} == {"opaque"}
+    with pytest.raises(ValueError, match="cpp_policy must be one of"):
+        ca_dynsaved.enable(cpp_policy="fused")

@@ -53,8 +53,13 @@ def test_stock_specialises_the_symbolic_float(ext):
 
 #: function name -> (flag, handling, reason)
 CASES = {
-    "sym_branch_traceable": (False, "opaque", "saved 'a' is read as a plain number (guard a > 2)"),
-    "sym_leaky_traceable": (False, "opaque", "saved 's' (a double) reaches aten.leaky_relu.default, which would specialise it"),
+    # the symbolic probe's reason, then the sentinel traces' (cpp_policy="auto")
+    "sym_branch_traceable": (False, "opaque", "saved 'a' is read as a plain number (guard a > 2); the ops it runs "
+                             "depend on saved values (op 1 differs between two sentinel traces: a branch)"),
+    "sym_leaky_traceable": (False, "opaque", "saved 's' (a double) reaches aten.leaky_relu.default, which would "
+                            "specialise it; saved 's' (a double) reaches argument 1 of aten.leaky_relu.default, where "
+                            "the backend would specialise it (only the scalar of mul/add/sub/div/pow on a floating "
+                            "tensor can take it)"),
     "sym_scale_opaque": (False, "opaque", "not is_traceable: its backward is not traced"),
     "flagged": (True, "opaque", "saved 'flag' is hashed by CA (a bool): opaque captures share code"),
 }
@@ -71,13 +76,15 @@ def test_what_stays_opaque_and_why(ext, case):
 
 
 def test_plain_reader_stays_opaque(ext):
-    """toInt()/toDouble(): whatever the backward computes from the number is
-    invisible to a tracer, so the probe's guard keeps the node opaque."""
+    """toInt()/toDouble() and a number computed from them (a * s): the probe's guard
+    and the sentinel traces' disagreement keep the node opaque."""
     run_loop(leaf_grad_step(lambda x, i: ext.scale_traceable(x, *scale_args(i))), lambda: ca_dynsaved.enable(backend="aot_eager"))
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
     (node,) = ca_dynsaved.report().nodes
     assert node.handling == "opaque"
     assert node.reason.startswith("saved 'a' is read as a plain number (guard Eq(")
+    assert node.reason.endswith("; argument 1 of aten.mul.Scalar is computed from a saved value "
+                                "(0.6385728973675814, then -3.4660547401377544)")
 
 
 def test_traced_opaque_and_python_nodes_in_one_graph(ext):

@@ -36,25 +36,28 @@ def test_cpp_symbolic_reader_is_a_cpp_trace(ext):
 
 @pytest.mark.every_release  # the only test of Decision.verified (docs/contributing.md)
 @pytest.mark.parametrize(
-    ("trace_cpp", "verify", "handling", "plan", "verified"),
+    ("options", "handling", "plan", "verified", "optin"),
     [
-        ((), True, decision.OPAQUE, decision.OpaqueCall, False),
-        (("DirectFn",), True, decision.TRACED, decision.SentinelTrace, True),
-        (("DirectFn",), False, decision.TRACED, decision.SentinelTrace, False),
+        ({}, decision.TRACED, decision.SentinelTrace, True, False),
+        ({"verify": False}, decision.TRACED, decision.SentinelTrace, True, False),  # not named: always verified
+        ({"cpp_policy": "opaque"}, decision.OPAQUE, decision.OpaqueCall, False, False),
+        ({"trace_cpp": ["DirectFn"]}, decision.TRACED, decision.SentinelTrace, True, True),
+        ({"trace_cpp": ["DirectFn"], "verify": False}, decision.TRACED, decision.SentinelTrace, False, True),
     ],
 )
-def test_cpp_plain_reader_opaque_unless_opted_in(ext, trace_cpp, verify, handling, plan, verified):
+def test_cpp_plain_reader_traced_and_verified_unless_told(ext, options, handling, plan, verified, optin):
     step = leaf_grad_step(lambda x, i: ext.direct_fn(x, 3 + i, 0.5 + i, 1.5, 0))
-    (d,) = _decisions(step, trace_cpp=list(trace_cpp), verify=verify)
+    (d,) = _decisions(step, **options)
     assert (d.handling, type(d.plan), d.verified) == (handling, plan, verified)
     assert _saved(d) == {"k": ("int", 3), "alpha": ("float", 0.5), "beta": ("float", 1.5)}
     if plan is decision.OpaqueCall:  # every saved value a lifted number: none from the capture
-        assert "is read as a plain number (guard" in d.reason
+        assert d.reason == "cpp_policy='opaque'"
         assert d.plan == decision.OpaqueCall(captured=(), slots=(None, None, None))
     else:
-        assert d.reason.startswith("opt-in (trace_cpp): uses its saved numbers only as op arguments")
-        assert d.reason.endswith("; each new value verified") == verify
-        assert d.plan.plan.traced and d.plan.verify == verify
+        how = "opt-in (trace_cpp)" if optin else "read with toInt()/toDouble(), traced with sentinels"
+        assert d.reason.startswith(f"{how}: uses its saved numbers only as op arguments")
+        assert d.reason.endswith("; each new value verified") == verified
+        assert d.plan.plan.traced and (d.plan.verify, d.plan.optin) == (verified, optin)
         assert sorted(d.plan.scalars) == [0, 1, 2]
 
 

@@ -30,10 +30,10 @@ def _parameters(obj) -> list[str]:
 def test_public_names_listed():
     assert set(ca_dynsaved.__all__) >= {
         "enable", "report", "reset", "reset_report", "install", "uninstall", "off_reason", "self_check",
-        "CONFIG_FLAG", "CONFIG_PYTHON_POLICY", "CONFIG_TRACE_CPP", "CONFIG_VERIFY",
+        "CONFIG_FLAG", "CONFIG_PYTHON_POLICY", "CONFIG_TRACE_CPP", "CONFIG_VERIFY", "CONFIG_CPP_POLICY",
         "UndefinedGradError", "UnsupportedTorchError", "UntestedTorchWarning",
     }
-    assert len(CONFIG_NAMES) == 4
+    assert len(CONFIG_NAMES) == 5
     for name in ca_dynsaved.__all__:
         assert hasattr(ca_dynsaved, name), name
 
@@ -60,7 +60,7 @@ def test_enable_parameters_checked():
     """enable's signature is the one the test above walks (not (*args, **kwargs))."""
     assert _parameters(ca_dynsaved.enable) == [
         "compiler_fn", "backend", "mode", "options", "dynamic", "fullgraph",
-        "exclude", "python_policy", "trace_cpp", "verify",
+        "exclude", "python_policy", "trace_cpp", "verify", "cpp_policy",
     ]
 
 

@@ -37,6 +37,10 @@ patchable like torch's own; compile-ignored, so Dynamo's config hash is unchange
 * ``torch._dynamo.config.compiled_autograd_dynamic_saved_data_verify``
   (``CONFIG_VERIFY``; bool, default True): as ``enable(verify=...)``; used for
   ``verify=None``.
+* ``torch._dynamo.config.compiled_autograd_dynamic_saved_data_cpp_policy``
+  (``CONFIG_CPP_POLICY``; str, default "auto"): "auto", "opaque" or "stock", the
+  policy for C++ ``torch::autograd::Function`` nodes there and for
+  ``enable(cpp_policy=None)``.
 
 Example::
 
@@ -55,6 +59,7 @@ import torch  # noqa: E402
 from ._compat.dynamic_state import clear_dynamic_scalars  # noqa: E402
 from . import cpptrace, graphbreak, opaque, payoff, probe, reuse, selfcheck, sentinel  # noqa: E402
 from ._install import (  # noqa: E402
+    CONFIG_CPP_POLICY,
     CONFIG_FLAG,
     CONFIG_PYTHON_POLICY,
     CONFIG_TRACE_CPP,
@@ -74,6 +79,7 @@ __all__ = [
     "report",
     "reset",
     "reset_report",
+    "CONFIG_CPP_POLICY",
     "CONFIG_FLAG",
     "CONFIG_PYTHON_POLICY",
     "CONFIG_TRACE_CPP",

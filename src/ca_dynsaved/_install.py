@@ -58,11 +58,15 @@ CONFIG_PYTHON_POLICY = "compiled_autograd_dynamic_saved_data_python_policy"
 CONFIG_TRACE_CPP = "compiled_autograd_dynamic_saved_data_trace_cpp"
 #: ``..._verify`` (bool, default True): for the config path and ``enable(verify=None)``.
 CONFIG_VERIFY = "compiled_autograd_dynamic_saved_data_verify"
+#: ``..._cpp_policy`` (str, default "auto"): the C++-function policy (``decision``)
+#: of the config path and of ``enable(cpp_policy=None)``.
+CONFIG_CPP_POLICY = "compiled_autograd_dynamic_saved_data_cpp_policy"
 _CONFIG_ENTRIES = {
     CONFIG_FLAG: (False, bool),
     CONFIG_PYTHON_POLICY: (pyctx.AUTO, str),
     CONFIG_TRACE_CPP: ((), tuple),
     CONFIG_VERIFY: (True, bool),
+    CONFIG_CPP_POLICY: (pyctx.AUTO, str),
 }
 
 
@@ -83,6 +87,7 @@ def plugin_mode(
     python_policy: str | None = None,
     trace_cpp: frozenset[str] | None = None,
     verify: bool | None = None,
+    cpp_policy: str | None = None,
 ) -> Mode:
     """The plugin with these options; an option given as None reads its config entry
     (gone after uninstall(): then its default). Stock CA while the plugin is off
@@ -96,7 +101,13 @@ def plugin_mode(
         trace_cpp = frozenset(_names(getattr(config, CONFIG_TRACE_CPP, ()), CONFIG_TRACE_CPP))
     if verify is None:
         verify = bool(getattr(config, CONFIG_VERIFY, True))
-    return Mode(True, Options(frozenset(exclude), pyctx.check_policy(python_policy), frozenset(trace_cpp), verify))
+    if cpp_policy is None:
+        cpp_policy = getattr(config, CONFIG_CPP_POLICY, pyctx.AUTO)
+    options = Options(
+        frozenset(exclude), pyctx.check_policy(python_policy), frozenset(trace_cpp), verify,
+        pyctx.check_policy(cpp_policy, "cpp_policy"),
+    )
+    return Mode(True, options)
 
 
 def _names(value: Any, what: str) -> tuple[str, ...]:

@@ -123,7 +123,8 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         if fn_name not in self._custom_fns:
             return stock()
         fn = self._custom_fns[fn_name]
-        decision, call = decide_cpp(args, fn, fn_name in self._traceable, self.options, self._lifted)
+        undefined = tuple(g is None for g in grads)
+        decision, call = decide_cpp(args, fn, fn_name in self._traceable, self.options, self._lifted, undefined)
         if decision.handling == OPAQUE:
             with no_proxy_modes():
                 dummies = [self.allocate_dummy() for _ in output_metadata]
@@ -260,7 +261,8 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         else:
             ours["traced_cpp_nodes"] += 1
             if isinstance(decision.plan, SentinelTrace):
-                ours["optin_cpp_nodes"] += 1
+                ours["sentinel_cpp_nodes"] += 1
+                ours["optin_cpp_nodes"] += decision.plan.optin
 
     def _add_check(self, outputs: Sequence[Any]) -> None:
         """verify: what running the verified node just traced directly takes, for the

@@ -125,9 +125,12 @@ def trace(
     and arguments are those of symbolic sizes, at a third of the cost. Its outputs
     become CA's dummies, as stock CA returns for a call it records whole."""
     with no_proxy_modes():
-        fake_grads = call.incoming_grads()
+        # None where the capture's grad is undefined: the backward gets it so
+        fake_grads = [None if g is None else f for f, g in zip(call.incoming_grads(), grads)]
         saved = [empty_like(t) for t in call.saved]
-    instance.bind_objects_to_proxies(fake_grads, [instance.to_proxy(g) for g in grads])
+    instance.bind_objects_to_proxies(
+        [f for f in fake_grads if f is not None], [instance.to_proxy(g) for g in grads if g is not None]
+    )
     instance.bind_objects_to_proxies(
         [t for t in saved if t is not None], [instance.to_proxy(t) for t in call.saved if t is not None]
     )

@@ -42,8 +42,11 @@ from . import cpptrace, graphbreak, probe, pyctx, sentinel
 from .opaque import FLOAT
 from .probe import is_number
 
-#: A node's handling, as the report prints it.
+#: A node's handling, as the report prints it (OPAQUE is also a policy's name).
 TRACED, OPAQUE, STOCK = "traced-dynamic", "opaque", "stock"
+#: ``cpp_policy``'s values, as ``python_policy``'s (``pyctx``).
+AUTO, POLICY_STOCK = pyctx.AUTO, pyctx.STOCK
+CPP_POLICIES = pyctx.POLICIES
 EXCLUDED = "excluded by enable(exclude=...)"
 
 
@@ -54,7 +57,8 @@ class Options:
     exclude: frozenset[str] = frozenset()  # name substrings that keep stock
     python_policy: str = pyctx.AUTO
     trace_cpp: frozenset[str] = frozenset()  # C++ name substrings opted into tracing
-    verify: bool = True
+    verify: bool = True  # for trace_cpp nodes; nodes traced by default always verify
+    cpp_policy: str = pyctx.AUTO
 
     def excluded(self, name: str) -> bool:
         return any(pattern in name for pattern in self.exclude)
@@ -88,6 +92,7 @@ class SentinelTrace:
     inputs: sentinel.Inputs
     scalars: tuple[int, ...]
     verify: bool
+    optin: bool = True  # named in trace_cpp (else traced by default, always verified)
 
 
 @dataclass(frozen=True)
@@ -139,12 +144,17 @@ class Decision:
 
 
 def decide_cpp(
-    args: Sequence[Any], fn: Callable[..., Any], traceable: bool, options: Options, lifted: Mapping[Any, Lifted]
+    args: Sequence[Any],
+    fn: Callable[..., Any],
+    traceable: bool,
+    options: Options,
+    lifted: Mapping[Any, Lifted],
+    undefined: tuple[bool, ...] = (),
 ) -> tuple[Decision, CppCall | None]:
     """The decision for a C++ custom function's call (CA's ``args``), and the call
     parsed (None where its layout is not CA's): ``fn`` its functional, ``traceable``
     whether it declares ``is_traceable``, ``lifted`` the capture's lifted scalars by
-    symnode."""
+    symnode, ``undefined`` which incoming grads the capture has as None."""
     try:
         call = CppCall.parse(args)  # the one parse of CA's layout
     except LayoutError as e:
@@ -152,8 +162,14 @@ def decide_cpp(
     node = Decision(call.name, "C++", STOCK, "", _cpp_saved(call, lifted))
     if options.excluded(call.name):
         return dataclasses.replace(node, reason=EXCLUDED), call
+    optin = any(pattern in call.name for pattern in options.trace_cpp)
+    policy = AUTO if optin else options.cpp_policy
+    if policy == POLICY_STOCK:
+        return dataclasses.replace(node, reason="cpp_policy='stock'"), call
     if not traceable:
         return _opaque_cpp(node, call, "not is_traceable: its backward is not traced"), call
+    if policy == OPAQUE:
+        return _opaque_cpp(node, call, "cpp_policy='opaque'"), call
     # the lifted numbers, in the call's order: index among all lifted scalars, kind
     scalars = tuple(index for *_, index in node.saved if index is not None)
     kinds = {key: kind for key, kind, _, index in node.saved if index is not None}
@@ -164,21 +180,24 @@ def decide_cpp(
             trace = CppTrace(scalars, FLOAT in kinds.values())
             return dataclasses.replace(node, handling=TRACED, reason=verdict.reason, plan=trace), call
         return _opaque_cpp(node, call, sizes), call
-    if not any(pattern in call.name for pattern in options.trace_cpp):
-        return _opaque_cpp(node, call, verdict.reason), call
     if not kinds or len(kinds) != len(call.keys):
         return _opaque_cpp(node, call, verdict.reason), call  # a hashed value keeps it opaque
-    inputs = sentinel.Inputs.of(fn, call)
-    plan = sentinel.plan(call.name, inputs, kinds)
+    # A plain toInt()/toDouble() reader: traced with sentinels if it passes its
+    # numbers only to ATen ops, each new value verified unless the user opted it in
+    # and turned verify off (docs/cpp.md, "Why the default is sound").
+    inputs = sentinel.Inputs.of(fn, call, undefined)
+    plan = sentinel.plan(call.name, inputs, kinds, warn=optin)
     sizes = cpptrace.size_dependence(fn, call) if plan.traced else ""
-    if sizes:
+    if sizes and optin:
         sentinel.refused(call.name, sizes)
     if not plan.traced or sizes:
-        return _opaque_cpp(node, call, f"trace_cpp refused: {sizes or plan.reason}"), call
-    checked = "; each new value verified" if options.verify else ""
-    reason = f"opt-in (trace_cpp): {plan.reason}{checked}"
-    trace = SentinelTrace(plan, inputs, scalars, options.verify)
-    return dataclasses.replace(node, handling=TRACED, reason=reason, plan=trace), call
+        refusal = sizes or plan.reason
+        return _opaque_cpp(node, call, f"trace_cpp refused: {refusal}" if optin else f"{verdict.reason}; {refusal}"), call
+    verify = options.verify or not optin
+    checked = "; each new value verified" if verify else ""
+    how = "opt-in (trace_cpp)" if optin else "read with toInt()/toDouble(), traced with sentinels"
+    trace = SentinelTrace(plan, inputs, scalars, verify, optin)
+    return dataclasses.replace(node, handling=TRACED, reason=f"{how}: {plan.reason}{checked}", plan=trace), call
 
 
 def _opaque_cpp(node: Decision, call: CppCall, reason: str) -> Decision:

@@ -91,21 +91,30 @@ class enable(contextlib.ContextDecorator):
             function with an int/float ctx attribute opaque (no fusion); under both,
             a backward Dynamo cannot trace runs opaque too; ``"stock"`` leaves all
             to stock CA. Default None: the config entry (itself "auto" by default).
+        cpp_policy: for C++ ``torch::autograd::Function`` nodes: ``"auto"`` traces a
+            traceable function whose saved ints/doubles reach only ATen op arguments
+            (read with ``toSymInt()``/``toSymFloat()``, or with ``toInt()``/
+            ``toDouble()`` through two sentinel traces, each new value verified on
+            small tensors before the compiled graph uses it) and runs the rest
+            opaque; ``"opaque"`` runs every traceable one opaque (no fusion);
+            ``"stock"`` leaves all to stock CA. ``trace_cpp`` names are traced under
+            any policy. Default None: the config entry (itself "auto").
         trace_cpp: substrings of C++ function names whose backward, you assert, uses
-            its saved ints/doubles read with ``toInt()``/``toDouble()`` only as ATen
-            op arguments: traced and fused instead of run opaque, after a
-            two-sentinel check that refuses (with a warning) what it can see.
+            its saved ints/doubles only as ATen op arguments: traced under any
+            ``cpp_policy``, a refusal of the two-sentinel check warns, and
+            ``verify=False`` may skip the per-value check.
             Default None: the config entry (itself () by default).
         verify: for ``trace_cpp`` nodes, re-check each new tuple of saved values on
             small tensors before the compiled graph uses it; a refused step runs the
             node directly, eagerly. False trusts the assertion (a wrong one then
-            gives wrong gradients). Default None: the config entry (itself True).
+            gives wrong gradients). Nodes ``"auto"`` traces without being named are
+            always verified. Default None: the config entry (itself True).
 
     Raises:
         TypeError: ``compiler_fn`` with a non-default ``backend``, ``mode``,
             ``options`` or ``fullgraph`` (it replaces ``torch.compile``); an
             ``exclude``/``trace_cpp`` entry that is not a non-empty str.
-        ValueError: an unknown ``python_policy``.
+        ValueError: an unknown ``python_policy`` or ``cpp_policy``.
         torch.compile's errors, at ``enable()`` rather than in the first backward:
         ``RuntimeError`` for a misspelt mode or option, ``InvalidBackend``.
 
@@ -124,6 +133,9 @@ class enable(contextlib.ContextDecorator):
         ``torch._dynamo.config.compiled_autograd_dynamic_saved_data_verify``
             (bool, default True): the ``verify`` of the config path and of
             ``enable(verify=None)``.
+        ``torch._dynamo.config.compiled_autograd_dynamic_saved_data_cpp_policy``
+            (str, default "auto"): the ``cpp_policy`` of the config path and of
+            ``enable(cpp_policy=None)``.
 
     Example::
 
@@ -152,6 +164,7 @@ class enable(contextlib.ContextDecorator):
         python_policy: str | None = None,
         trace_cpp: Iterable[str] | None = None,
         verify: bool | None = None,
+        cpp_policy: str | None = None,
     ) -> None:
         if compiler_fn is not None:
             given = [
@@ -188,10 +201,11 @@ class enable(contextlib.ContextDecorator):
         self.python_policy = None if python_policy is None else pyctx.check_policy(python_policy)
         self.trace_cpp = None if trace_cpp is None else frozenset(_names(trace_cpp, "trace_cpp"))
         self.verify = verify
+        self.cpp_policy = None if cpp_policy is None else pyctx.check_policy(cpp_policy, "cpp_policy")
         self._open: list[contextlib.AbstractContextManager[None]] = []
 
     def __enter__(self) -> "enable":
-        mode = plugin_mode(self.exclude, self.python_policy, self.trace_cpp, self.verify)
+        mode = plugin_mode(self.exclude, self.python_policy, self.trace_cpp, self.verify, self.cpp_policy)
         cm = ca_context(self.compiler_fn, self.dynamic, mode=mode)
         cm.__enter__()
         self._open.append(cm)

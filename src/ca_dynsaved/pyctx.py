@@ -34,9 +34,9 @@ AUTO, OPAQUE, STOCK = "auto", "opaque", "stock"
 POLICIES = (AUTO, OPAQUE, STOCK)
 
 
-def check_policy(policy: str) -> str:
+def check_policy(policy: str, what: str = "python_policy") -> str:
     if policy not in POLICIES:
-        raise ValueError(f"ca_dynsaved: python_policy must be one of {POLICIES}, got {policy!r}")
+        raise ValueError(f"ca_dynsaved: {what} must be one of {POLICIES}, got {policy!r}")
     return policy
 
 

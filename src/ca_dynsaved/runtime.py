@@ -16,7 +16,7 @@
   CA) must record the backward's own autograd history, which an opaque op without
   a derivative cuts; CA's cache does not tell such calls apart, so those calls run
   the captured graph eagerly with each opaque op replaced by a direct call.
-* Verify (``enable(verify=True)``): an opted-in traced C++ node (``sentinel``) has
+* Verify: a C++ node traced with sentinels (``sentinel``) has
   a ``Check``; each new tuple of its saved numbers is re-run (``sentinel.check``)
   before the compiled graph may use it. A refused tuple runs that step eagerly on a
   copy of the graph where the node's C++ functional is called directly instead of
@@ -150,7 +150,8 @@ class Check:
             counters["ca_dynsaved"]["verify_traces"] += 1
             found = self.seen[key] = sentinel.check(self.plan, self.inputs, dict(zip(self.keys, values)))
             if found:
-                log.warning("ca_dynsaved: %s with saved %s runs opaque this step: %s", self.name, self.named(values), found)
+                # The report keeps it (CaptureRecord.refused); never the user's WARNING log.
+                log.info("ca_dynsaved: %s with saved %s runs opaque this step: %s", self.name, self.named(values), found)
         return found
 
     def named(self, values: Sequence[Any]) -> dict[str, Any]:
@@ -173,7 +174,7 @@ def fallback_graph(gm: torch.fx.GraphModule, fallbacks: Sequence[Fallback]) -> t
             raise RuntimeError(
                 f"ca_dynsaved: verify refused this step's saved values of {fb.name}, and "
                 f"running it directly needs its {what}, which its traced ops did not use "
-                "(the graph no longer has it). Leave the function out of trace_cpp."
+                "(the graph no longer has it). Keep it opaque: enable(exclude=[...]) or cpp_policy='opaque'."
             )
         return env[node]
 

@@ -39,7 +39,7 @@ import torch
 from ._compat.capture import counters
 from ._compat.dynamo import exception_line
 from ._compat.layout import CppCall
-from ._compat.symbolic import TorchDispatchMode, outside_capture, size_hints
+from ._compat.symbolic import SizeWatched, TorchDispatchMode, outside_capture, size_hints
 from . import opaque
 from .cpptrace import REWRITES
 
@@ -127,14 +127,16 @@ class Inputs:
     fn: Callable[..., Any]
     call: CppCall
     saved: tuple[Any, ...]  # (sizes, dtype, device) per saved tensor, or the value
-    grads: tuple[tuple[list[int], torch.dtype, torch.device], ...]
+    grads: tuple[tuple[list[int], torch.dtype, torch.device] | None, ...]  # None: undefined
 
     @property
     def keys(self) -> tuple[str, ...]:
         return self.call.keys
 
     @staticmethod
-    def of(fn: Callable[..., Any], call: CppCall) -> "Inputs":
+    def of(fn: Callable[..., Any], call: CppCall, undefined: Sequence[bool] = ()) -> "Inputs":
+        """``undefined``: which incoming grads are None in the capture (the backward
+        then gets an undefined grad there, as in every run of its graph)."""
         saved = tuple(
             (_small(size_hints(t)[0]), t.dtype, t.device) if isinstance(t, torch.Tensor) else t
             for t in call.saved
@@ -142,7 +144,8 @@ class Inputs:
         grads = [(_small(t.shape), t.dtype, t.device) for t in call.incoming_grads()]
         # output_info: the forward outputs' sizes, which an undefined grad is made of
         detached = call.detached().with_output_sizes([g[0] for g in grads])
-        return Inputs(fn, detached, saved, tuple(grads))
+        none = tuple(undefined) or (False,) * len(grads)
+        return Inputs(fn, detached, saved, tuple(None if u else g for g, u in zip(grads, none)))
 
     def record(self, numbers: Sequence[Any]) -> tuple[list[_Op], Exception | None]:
         """The ops the backward runs with these saved numbers, on real tensors of at
@@ -150,8 +153,9 @@ class Inputs:
         microseconds an op, where fake or meta tensors' Python dispatch costs 100."""
         recorder = _Recorder()
         with outside_capture(), torch.no_grad():
-            saved = [torch.zeros(s[0], dtype=s[1], device=s[2]) if isinstance(s, tuple) else s for s in self.saved]
-            grads = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in self.grads]
+            # Watched: a read of their sizes is an op of the recording (_metadata_read).
+            saved = [SizeWatched(torch.zeros(s[0], dtype=s[1], device=s[2])) if isinstance(s, tuple) else s for s in self.saved]
+            grads = [None if g is None else SizeWatched(torch.zeros(g[0], dtype=g[1], device=g[2])) for g in self.grads]
             try:
                 with recorder:
                     self.call.call(self.fn, grads, values=numbers, saved=saved)
@@ -168,16 +172,17 @@ def clear() -> None:
     _WARNED.clear()
 
 
-def plan(name: str, inputs: Inputs, kinds: dict[str, str]) -> Plan:
-    """The opt-in verdict for this node's function and layout, traced on a miss;
-    a refusal warns once, naming the node and what it saw."""
-    key = (name, inputs.keys, tuple(kinds.values()))
+def plan(name: str, inputs: Inputs, kinds: dict[str, str], warn: bool = False) -> Plan:
+    """The verdict for this node's function and layout, traced on a miss; with
+    ``warn`` (the user opted it in), a refusal warns once, naming the node and what
+    it saw (otherwise the report says it)."""
+    key = (name, inputs.keys, tuple(kinds.values()), tuple(g is None for g in inputs.grads))
     found = _CACHE.get(key)
     if found is None:
         counters["ca_dynsaved"]["sentinel_plans"] += 1
         found = _CACHE[key] = _plan(inputs, kinds)
-        if not found.traced:
-            refused(name, found.reason)
+    if warn and not found.traced:
+        refused(name, found.reason)
     return found
 
 
@@ -235,6 +240,10 @@ def _plan(inputs: Inputs, kinds: dict[str, str]) -> Plan:
     if [op for op, _ in first] != [op for op, _ in second]:
         at = next((i for i, (a, b) in enumerate(zip(first, second)) if a[0] != b[0]), min(len(first), len(second)))
         return Plan(False, f"the ops it runs depend on saved values (op {at} differs between two sentinel traces: a branch)")
+    for op, _ in first:
+        refusal = _unseen_by_verify(op)
+        if refusal:
+            return Plan(False, refusal)
     template = []
     for index, ((op, a_leaves), (_, b_leaves)) in enumerate(zip(first, second)):
         if len(a_leaves) != len(b_leaves):
@@ -259,6 +268,31 @@ def _plan(inputs: Inputs, kinds: dict[str, str]) -> Plan:
     return Plan(True, "uses its saved numbers only as op arguments: " + (", ".join(used) or "none"), tuple(template), dict(kinds))
 
 
+#: Tensor metadata whose value verify's small tensors do not share with the real
+#: ones (the rank, ``aten.dim``, is fixed for a CA graph, and dtype and device
+#: are not read through dispatch).
+_METADATA = frozenset(
+    f"aten::{name}" for name in (
+        "size", "sym_size", "stride", "sym_stride", "numel", "sym_numel", "storage_offset",
+        "sym_storage_offset", "is_contiguous", "is_strides_like_format", "is_non_overlapping_and_dense",
+    )
+)
+
+
+def _unseen_by_verify(op: Any) -> str:
+    """Why ``op`` in a backward's recording makes verify blind to what it depends
+    on, or '': a read of a tensor's sizes (verify runs tensors of at most 2 elements
+    a dimension, so a branch on a size could go either way on the real ones), or of
+    a tensor's data (verify runs zeros)."""
+    name = getattr(getattr(op, "_schema", None), "name", "")
+    if name in _METADATA:
+        return f"its backward reads a tensor's sizes ({op}), which verify cannot check for other sizes"
+    tags = getattr(op, "tags", ())
+    if torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags:
+        return f"its backward reads a tensor's data ({op}), which verify cannot check"
+    return ""
+
+
 def _placement(op: Any, leaves: tuple[Any, ...], position: int, slot: Slot) -> str:
     """Why a saved number cannot be made dynamic where it is, or ''. ``leaves[0]`` is
     the kwargs names, so an op's argument ``i`` is ``leaves[i + 1]``."""
@@ -281,7 +315,9 @@ def check(plan_: Plan, inputs: Inputs, new: dict[str, int | float]) -> str:
     if error is not None:
         return f"its backward raised ({exception_line(error)})"
     if len(ops) != len(plan_.template):
-        return f"it runs {len(ops)} ops instead of {len(plan_.template)}"
+        at = next((i for i, (a, b) in enumerate(zip(ops, plan_.template)) if a[0] != b[0]), None)
+        first = "" if at is None else f" (op {at} is {ops[at][0]}, not {plan_.template[at][0]})"
+        return f"it runs {len(ops)} ops instead of {len(plan_.template)}{first}"
     for index, ((op, leaves), (t_op, t_leaves)) in enumerate(zip(ops, plan_.template)):
         if op != t_op or len(leaves) != len(t_leaves):
             return f"op {index} is {op} instead of {t_op}"

@@ -5,7 +5,8 @@ guards and replacements, ``TLS.suppress_guards``, ``optimization_hint`` /
 ``size_hint``), ``torch._subclasses.fake_tensor`` (``FakeTensorMode``,
 ``unset_fake_temporarily``), ``torch._dynamo.source.ConstantSource``,
 ``torch.fx.passes._tensorify_python_scalars.SUPPORTED_OPS``,
-``torch.utils._python_dispatch.TorchDispatchMode``. Releases:
+``torch.utils._python_dispatch.TorchDispatchMode``, ``Tensor._make_wrapper_subclass``
+(``dispatch_sizes_strides_policy``). Releases:
 ``optimization_hint`` is 2.12+ (2.11: ``size_hint``); the tensorify pass lists Python
 operators on 2.13+, only ATen ops on 2.11 / 2.12.
 """
@@ -25,6 +26,39 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 #: A mode that sees every ATen op a backward runs (the probes record with it).
 TorchDispatchMode = TorchDispatchMode
+
+
+class SizeWatched(torch.Tensor):
+    """A real tensor whose size, stride and numel queries dispatch to Python: under a
+    ``TorchDispatchMode`` they appear as ops (``aten.sym_size.default``,
+    ``aten.size.default``, ``aten.dim.default``...), so a recording sees where C++
+    code reads a tensor's sizes, which on a plain tensor no mode can see. Ops run on
+    the wrapped tensor and return wrapped results, so what the code computes from
+    its inputs is watched too."""
+
+    __slots__ = ("inner",)
+    inner: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> "SizeWatched":
+        self = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, inner.shape, strides=inner.stride(), dtype=inner.dtype, device=inner.device,
+            dispatch_sizes_strides_policy="sizes",
+        )
+        self.inner = inner
+        return self
+
+    def __repr__(self) -> str:
+        return f"SizeWatched({self.inner!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        args, kwargs = pytree.tree_map_only(SizeWatched, _inner, (args, kwargs or {}))
+        return pytree.tree_map_only(torch.Tensor, SizeWatched, func(*args, **kwargs))
+
+
+def _inner(t: SizeWatched) -> torch.Tensor:
+    return t.inner
 
 
 def symbolic_probe_mode() -> tuple[Any, Any]:
