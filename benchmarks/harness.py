@@ -3,8 +3,10 @@
 Configurations: ``eager``; stock compiled autograd with saved values that never
 change (``stock_constant``, the floor) and that change every step
 (``stock_varying``); the plugin with values changing (``plugin_varying``), and, for
-Python functions, the plugin with ``python_policy="opaque"`` (``plugin_opaque_varying``:
-what tracing with dynamic ctx numbers gains over running the backward opaque).
+the Python and the C++ ``toDouble()`` functions, the plugin running them opaque
+(``plugin_opaque_varying``: ``python_policy`` / ``cpp_policy="opaque"``: what tracing
+with dynamic numbers gains over running the backward opaque, the plugin's default
+for C++ readers before sentinel tracing became the default).
 The ``cpp_direct`` variant's plugin configs opt it in with ``trace_cpp``:
 ``plugin_varying`` verifies each new value (the default), ``plugin_trust_varying``
 does not (``verify=False``): their difference is verify's cost per new value.
@@ -26,8 +28,8 @@ import ca_dynsaved
 from models import TRACE_CPP, values
 
 CONFIGS = ("eager", "stock_constant", "stock_varying", "plugin_varying", "plugin_opaque_varying", "plugin_trust_varying")
-#: Configs that only concern one variant.
-ONLY = {"plugin_opaque_varying": "python", "plugin_trust_varying": "cpp_direct"}
+#: Configs that only concern some variants.
+ONLY = {"plugin_opaque_varying": ("python", "cpp"), "plugin_trust_varying": ("cpp_direct",)}
 #: Steady-state passes: the step time is the smallest of their medians (this
 #: machine is noisy; the minimum is the least disturbed pass).
 PASSES = 3
@@ -35,14 +37,14 @@ PASSES = 3
 
 def cases(variants: tuple[str, ...]) -> list[tuple[str, str]]:
     """(variant, config) pairs: python_policy only concerns Python functions."""
-    return [(v, c) for v in variants for c in CONFIGS if ONLY.get(c, v) == v]
+    return [(v, c) for v in variants for c in CONFIGS if v in ONLY.get(c, (v,))]
 
 
 def context(config: str, backend: str, variant: str = "") -> contextlib.AbstractContextManager[Any]:
     if config == "eager":
         return contextlib.nullcontext()
     if config == "plugin_opaque_varying":
-        return ca_dynsaved.enable(backend=backend, python_policy="opaque")
+        return ca_dynsaved.enable(backend=backend, python_policy="opaque", cpp_policy="opaque")
     if config.startswith("plugin"):
         trace_cpp = TRACE_CPP if variant == "cpp_direct" else ()
         return ca_dynsaved.enable(backend=backend, trace_cpp=trace_cpp, verify=config != "plugin_trust_varying")

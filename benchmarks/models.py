@@ -9,7 +9,8 @@
 The activation is ``y = gain * x * sigmoid(beta * x)``, negated when ``flip``, with
 ``mode`` choosing sigmoid or tanh gating, in three variants:
 
-* ``cpp``: a C++ function saving beta (double) and gain (int), changing every step;
+* ``cpp``: a C++ function saving beta (double) and gain (int), changing every step,
+  and flip (bool) and mode (str), constant;
 * ``python``: a Python ``autograd.Function`` with ``ctx.beta`` / ``ctx.gain``;
 * ``hashed``: the C++ function with flip (bool) and mode (str) cycling through 4
   combinations, beta and gain fixed;

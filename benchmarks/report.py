@@ -25,10 +25,10 @@ SUMMARY_COMMAND = COMMAND + " (summary)"
 PLOT = ROOT / "docs" / "benchmarks.png"
 #: The README's rows: (model, variant, what the model is, the custom function and how the plugin runs it).
 SUMMARY = (
-    ("mlp", "cpp", "MLP (matmul-bound)", "C++, `toDouble()` / `toInt()` reader: opaque"),
-    ("mlp", "hashed", "MLP", "C++, bool / str / list / dict values: opaque, 4 captures share a compile"),
+    ("mlp", "cpp", "MLP (matmul-bound)", "C++, `toDouble()` / `toInt()` reader, constant bool / str: traced with sentinels, verified"),
+    ("mlp", "hashed", "MLP", "C++, bool / str cycling 4 combinations: the first traced, 3 opaque sharing a compile"),
     ("mlp", "python", "MLP", "Python, ctx float and int: traced"),
-    ("elementwise", "cpp", "elementwise (fusion-sensitive)", "C++, `toDouble()` reader: opaque"),
+    ("elementwise", "cpp", "elementwise (fusion-sensitive)", "C++, `toDouble()` reader, constant bool / str: traced with sentinels, verified"),
     ("elementwise", "cpp_sym", "elementwise", "C++, `toSymFloat()` reader: traced"),
     ("elementwise", "cpp_direct", "elementwise", "C++, `toDouble()` reader opted in (`trace_cpp`, verify on): traced"),
     ("elementwise", "python", "elementwise", "Python, ctx float: traced"),

@@ -82,7 +82,7 @@ def test_plain_reader_traced_by_default(ext):
     (node,) = ca_dynsaved.report().nodes
     assert (node.handling, node.reason) == (
         "traced-dynamic",
-        "read with toInt()/toDouble(), traced with sentinels: uses its saved numbers only as op arguments: "
+        "traced with sentinels: uses its saved numbers only as op arguments: "
         "alpha, beta, k; each new value verified",
     )
     assert (_counter("sentinel_cpp_nodes"), _counter("optin_cpp_nodes"), _counter("opaque_nodes")) == (1, 0, 0)

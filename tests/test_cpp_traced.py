@@ -61,12 +61,15 @@ CASES = {
                             "the backend would specialise it (only the scalar of mul/add/sub/div/pow on a floating "
                             "tensor can take it)"),
     "sym_scale_opaque": (False, "opaque", "not is_traceable: its backward is not traced"),
-    "flagged": (True, "opaque", "saved 'flag' is hashed by CA (a bool): opaque captures share code"),
+    # a constant bool: the first capture's combination is traced with sentinels
+    "flagged": (True, "traced-dynamic", "traced with sentinels: uses its saved "
+                "numbers only as op arguments: a, s; each new value verified; its hashed values (flag) constants "
+                "of this graph"),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_what_stays_opaque_and_why(ext, case):
+def test_what_stays_opaque_and_why(ext, case):  # and the one the sentinels trace
     flag, handling, reason = CASES[case]
     fn = ext.sym_scale_traceable if case == "flagged" else getattr(ext, case)
     run_loop(_sym_step(fn, flag, _moderate), lambda: ca_dynsaved.enable(backend="aot_eager", fullgraph=True))

@@ -54,7 +54,7 @@ def test_cpp_plain_reader_traced_and_verified_unless_told(ext, options, handling
         assert d.reason == "cpp_policy='opaque'"
         assert d.plan == decision.OpaqueCall(captured=(), slots=(None, None, None))
     else:
-        how = "opt-in (trace_cpp)" if optin else "read with toInt()/toDouble(), traced with sentinels"
+        how = "opt-in (trace_cpp)" if optin else "traced with sentinels"
         assert d.reason.startswith(f"{how}: uses its saved numbers only as op arguments")
         assert d.reason.endswith("; each new value verified") == verified
         assert d.plan.plan.traced and (d.plan.verify, d.plan.optin) == (verified, optin)

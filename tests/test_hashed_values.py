@@ -124,3 +124,24 @@ def test_none_grad_that_depends_on_a_hashed_value(ext, variant):
     )
     assert [r[0] is None for r in results] == [False, True] * 4
     assert counts() == Counts(captures=2, compiles=2, graph_breaks=0)
+
+
+def test_first_capture_combinations_traced_later_ones_share(ext):
+    """A traceable function with a saved number and a bool: the combination its first
+    capture holds is traced (specialised on the bool, fused, as stock CA would); one
+    first met in a later capture runs opaque, so every such combination shares one
+    compiled graph instead of compiling one each."""
+    results = run_loop(
+        leaf_grad_step(lambda x, i: ext.skip_traceable(x, i % 3 == 2, i)),
+        lambda: ca_dynsaved.enable(backend="aot_eager"),
+        steps=6,
+    )
+    assert [r[0] is None for r in results] == [False, False, True] * 2
+    assert counts() == Counts(captures=2, compiles=2, graph_breaks=0)
+    first, later = (capture.nodes[0] for capture in ca_dynsaved.report().captures)
+    assert (first.handling, later.handling) == ("traced-dynamic", "opaque")
+    assert first.reason.endswith("; each new value verified; its hashed values (skip) constants of this graph")
+    assert later.reason.endswith(
+        "; its hashed values are a combination first met after the function's first capture: "
+        "opaque, sharing compiled code with its other combinations"
+    )

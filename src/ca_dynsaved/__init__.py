@@ -57,7 +57,7 @@ from . import _compat  # noqa: F401  (version check first)
 import torch  # noqa: E402
 
 from ._compat.dynamic_state import clear_dynamic_scalars  # noqa: E402
-from . import cpptrace, graphbreak, opaque, payoff, probe, reuse, selfcheck, sentinel  # noqa: E402
+from . import cpptrace, decision, graphbreak, opaque, payoff, probe, reuse, selfcheck, sentinel  # noqa: E402
 from ._install import (  # noqa: E402
     CONFIG_CPP_POLICY,
     CONFIG_FLAG,
@@ -143,6 +143,7 @@ def reset() -> None:
     graphbreak.clear()
     cpptrace.clear()
     sentinel.clear()
+    decision.COMBINATIONS.clear()
     reuse.clear()
     reset_report()
 

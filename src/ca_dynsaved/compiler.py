@@ -124,7 +124,9 @@ class DynSavedCompilerInstance(StockCompilerInstance):
             return stock()
         fn = self._custom_fns[fn_name]
         undefined = tuple(g is None for g in grads)
-        decision, call = decide_cpp(args, fn, fn_name in self._traceable, self.options, self._lifted, undefined)
+        decision, call = decide_cpp(
+            args, fn, fn_name in self._traceable, self.options, self._lifted, undefined, self.id
+        )
         if decision.handling == OPAQUE:
             with no_proxy_modes():
                 dummies = [self.allocate_dummy() for _ in output_metadata]
@@ -157,7 +159,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         graph = self.fx_tracer.graph
         before = len(graph.nodes)
         sentinels = sentinel.values(plan.plan.kinds, 0)
-        outs = cpptrace.trace(self, fn, grads, call, values=[sentinels[k] for k in call.keys])
+        outs = cpptrace.trace(self, fn, grads, call, values=plan.inputs.values(sentinels))
         region = list(graph.nodes)[before:]
         self._sentinel_regions.append((region, plan.plan.kinds, dict(zip(call.keys, call.values))))
         if plan.verify:
@@ -273,17 +275,23 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         def node(t: Any) -> torch.fx.Node | None:
             return None if t is None else self.to_proxy(t).node
 
+        numbers = dict(zip(call.keys, call.values))
         fallback = runtime.Fallback(
             fn,
             call.detached(),
-            tuple((self._lifted[v.node].kind, self._lifted[v.node].slot) for v in call.values),
+            # (kind, slot) of each lifted number; (None, value) of each hashed value
+            tuple(
+                (self._lifted[v.node].kind, self._lifted[v.node].slot) if k in plan.plan.kinds else (None, v)
+                for k, v in numbers.items()
+            ),
             [node(g) for g in grads],
             [node(t) for t in call.saved],
             [p.node for p in self._packed_scalar_proxies()],
             region,
             [node(o) for o in outputs],
         )
-        check = runtime.Check(call.name, plan.plan, plan.inputs, call.keys, plan.scalars, fallback)
+        keys = tuple(k for k in call.keys if k in plan.plan.kinds)  # the numbers, as plan.scalars
+        check = runtime.Check(call.name, plan.plan, plan.inputs, keys, plan.scalars, fallback)
         self._checks.append(check)
 
     def _packed_scalar_proxies(self) -> tuple[Any, Any]:

@@ -150,11 +150,13 @@ def decide_cpp(
     options: Options,
     lifted: Mapping[Any, Lifted],
     undefined: tuple[bool, ...] = (),
+    capture: int = 0,
 ) -> tuple[Decision, CppCall | None]:
     """The decision for a C++ custom function's call (CA's ``args``), and the call
     parsed (None where its layout is not CA's): ``fn`` its functional, ``traceable``
     whether it declares ``is_traceable``, ``lifted`` the capture's lifted scalars by
-    symnode, ``undefined`` which incoming grads the capture has as None."""
+    symnode, ``undefined`` which incoming grads the capture has as None, ``capture``
+    the CA capture's id."""
     try:
         call = CppCall.parse(args)  # the one parse of CA's layout
     except LayoutError as e:
@@ -180,12 +182,18 @@ def decide_cpp(
             trace = CppTrace(scalars, FLOAT in kinds.values())
             return dataclasses.replace(node, handling=TRACED, reason=verdict.reason, plan=trace), call
         return _opaque_cpp(node, call, sizes), call
-    if not kinds or len(kinds) != len(call.keys):
-        return _opaque_cpp(node, call, verdict.reason), call  # a hashed value keeps it opaque
-    # A plain toInt()/toDouble() reader: traced with sentinels if it passes its
-    # numbers only to ATen ops, each new value verified unless the user opted it in
-    # and turned verify off (docs/cpp.md, "Why the default is sound").
-    inputs = sentinel.Inputs.of(fn, call, undefined)
+    hashed = {key: value for key, _, value, index in node.saved if index is None}
+    if len(kinds) + len(hashed) != len(call.keys):
+        return _opaque_cpp(node, call, verdict.reason), call  # a saved value of no kind we take
+    if not kinds:
+        return _opaque_cpp(node, call, verdict.reason), call  # hashed values only: they share code
+    if hashed and not COMBINATIONS.specialised(call.name, call.keys, repr(tuple(hashed.values())), capture):
+        return _opaque_cpp(node, call, f"{verdict.reason}; {_LATER_COMBINATION}"), call
+    # A plain toInt()/toDouble() reader (or one with hashed values): traced with
+    # sentinels if it passes its numbers only to ATen ops, each new value verified
+    # unless the user opted it in and turned verify off (docs/cpp.md, "Why the
+    # default is sound"); its hashed values are constants of this capture's graph.
+    inputs = sentinel.Inputs.of(fn, call, undefined, hashed)
     plan = sentinel.plan(call.name, inputs, kinds, warn=optin)
     sizes = cpptrace.size_dependence(fn, call) if plan.traced else ""
     if sizes and optin:
@@ -195,9 +203,41 @@ def decide_cpp(
         return _opaque_cpp(node, call, f"trace_cpp refused: {refusal}" if optin else f"{verdict.reason}; {refusal}"), call
     verify = options.verify or not optin
     checked = "; each new value verified" if verify else ""
-    how = "opt-in (trace_cpp)" if optin else "read with toInt()/toDouble(), traced with sentinels"
+    how = "opt-in (trace_cpp)" if optin else "traced with sentinels"
+    constants = f"; its hashed values ({', '.join(hashed)}) constants of this graph" if hashed else ""
     trace = SentinelTrace(plan, inputs, scalars, verify, optin)
-    return dataclasses.replace(node, handling=TRACED, reason=f"{how}: {plan.reason}{checked}", plan=trace), call
+    return dataclasses.replace(node, handling=TRACED, reason=f"{how}: {plan.reason}{checked}{constants}", plan=trace), call
+
+
+_LATER_COMBINATION = (
+    "its hashed values are a combination first met after the function's first capture: "
+    "opaque, sharing compiled code with its other combinations"
+)
+
+
+class _Combinations:
+    """Which combinations of a C++ function's hashed values (bool, str, lists) get
+    graphs specialised on them. CA captures a graph per combination; the ones the
+    function's *first* capture holds (a per-layer mode, a flag that never changes)
+    are traced, fused, as stock CA would; a combination first met in a later
+    capture (values that cycle or keep changing) runs opaque, so all of those share
+    one compiled graph instead of compiling one each (docs/cpp.md, "Hashed values").
+    Per function name and saved keys; ``ca_dynsaved.reset()`` clears it."""
+
+    def __init__(self) -> None:
+        self.first: dict[tuple[str, tuple[str, ...]], tuple[int, set[str]]] = {}
+
+    def specialised(self, name: str, keys: tuple[str, ...], combination: str, capture: int) -> bool:
+        seen = self.first.setdefault((name, keys), (capture, set()))
+        if seen[0] == capture:
+            seen[1].add(combination)
+        return combination in seen[1]
+
+    def clear(self) -> None:
+        self.first.clear()
+
+
+COMBINATIONS = _Combinations()
 
 
 def _opaque_cpp(node: Decision, call: CppCall, reason: str) -> Decision:

@@ -109,7 +109,7 @@ class Fallback:
 
     fn: Callable[..., Any]
     call: CppCall  # detached: filled in by each run
-    numbers: tuple[tuple[str, int], ...]
+    numbers: tuple[tuple[str | None, Any], ...]  # (kind, slot); (None, the value) if hashed
     grads: list[torch.fx.Node | None]
     saved: list[torch.fx.Node | None]
     packed: list[torch.fx.Node]
@@ -119,7 +119,7 @@ class Fallback:
     def run(self, grads: list[Any], saved: list[Any], ints: torch.Tensor, floats: torch.Tensor) -> list[Any]:
         """The backward with this run's saved numbers; the forward outputs' sizes
         (output_info) are the incoming grads' of this run."""
-        numbers = [(ints if kind is opaque.INT else floats)[i].item() for kind, i in self.numbers]
+        numbers = [i if kind is None else (ints if kind is opaque.INT else floats)[i].item() for kind, i in self.numbers]
         call = self.call.with_output_sizes([None if g is None else g.shape for g in grads])
         return list(call.call(self.fn, grads, values=numbers, saved=saved))
 

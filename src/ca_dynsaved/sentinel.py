@@ -128,15 +128,26 @@ class Inputs:
     call: CppCall
     saved: tuple[Any, ...]  # (sizes, dtype, device) per saved tensor, or the value
     grads: tuple[tuple[list[int], torch.dtype, torch.device] | None, ...]  # None: undefined
+    constants: tuple[tuple[str, Any], ...] = ()  # saved values CA hashed: constants of the graph
 
     @property
     def keys(self) -> tuple[str, ...]:
         return self.call.keys
 
+    def values(self, numbers: dict[str, Any]) -> list[Any]:
+        """The saved values, in the call's order: ``numbers`` for the saved numbers,
+        the capture's value for each hashed one."""
+        constants = dict(self.constants)
+        return [numbers[k] if k in numbers else constants[k] for k in self.keys]
+
     @staticmethod
-    def of(fn: Callable[..., Any], call: CppCall, undefined: Sequence[bool] = ()) -> "Inputs":
+    def of(
+        fn: Callable[..., Any], call: CppCall, undefined: Sequence[bool] = (), constants: dict[str, Any] | None = None
+    ) -> "Inputs":
         """``undefined``: which incoming grads are None in the capture (the backward
-        then gets an undefined grad there, as in every run of its graph)."""
+        then gets an undefined grad there, as in every run of its graph);
+        ``constants``: the saved values CA hashed, by key (the graph is CA's for
+        them: its cache key holds them)."""
         saved = tuple(
             (_small(size_hints(t)[0]), t.dtype, t.device) if isinstance(t, torch.Tensor) else t
             for t in call.saved
@@ -145,7 +156,8 @@ class Inputs:
         # output_info: the forward outputs' sizes, which an undefined grad is made of
         detached = call.detached().with_output_sizes([g[0] for g in grads])
         none = tuple(undefined) or (False,) * len(grads)
-        return Inputs(fn, detached, saved, tuple(None if u else g for g, u in zip(grads, none)))
+        grads_ = tuple(None if u else g for g, u in zip(grads, none))
+        return Inputs(fn, detached, saved, grads_, tuple((constants or {}).items()))
 
     def record(self, numbers: Sequence[Any]) -> tuple[list[_Op], Exception | None]:
         """The ops the backward runs with these saved numbers, on real tensors of at
@@ -176,7 +188,8 @@ def plan(name: str, inputs: Inputs, kinds: dict[str, str], warn: bool = False) -
     """The verdict for this node's function and layout, traced on a miss; with
     ``warn`` (the user opted it in), a refusal warns once, naming the node and what
     it saw (otherwise the report says it)."""
-    key = (name, inputs.keys, tuple(kinds.values()), tuple(g is None for g in inputs.grads))
+    # hashed values by repr: a list or dict is no dict key, and the template holds them
+    key = (name, inputs.keys, tuple(kinds.values()), tuple(g is None for g in inputs.grads), repr(inputs.constants))
     found = _CACHE.get(key)
     if found is None:
         counters["ca_dynsaved"]["sentinel_plans"] += 1
@@ -232,7 +245,7 @@ def _plan(inputs: Inputs, kinds: dict[str, str]) -> Plan:
     sentinels = [values(kinds, 0), values(kinds, 1)]
     traces = []
     for chosen in sentinels:
-        ops, error = inputs.record([chosen[k] for k in inputs.keys])
+        ops, error = inputs.record(inputs.values(chosen))
         if error is not None:
             return Plan(False, f"its backward did not run on sentinel values ({exception_line(error)})")
         traces.append(ops)
@@ -311,7 +324,7 @@ def _placement(op: Any, leaves: tuple[Any, ...], position: int, slot: Slot) -> s
 def check(plan_: Plan, inputs: Inputs, new: dict[str, int | float]) -> str:
     """'' when the backward, run with ``new``, does exactly what the template says
     with those values; else what differs."""
-    ops, error = inputs.record([new[k] for k in inputs.keys])
+    ops, error = inputs.record(inputs.values(new))
     if error is not None:
         return f"its backward raised ({exception_line(error)})"
     if len(ops) != len(plan_.template):
