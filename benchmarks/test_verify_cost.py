@@ -49,8 +49,9 @@ def test_verify_cost(benchmark, bench_ext, full_run, record):
 
     benchmark.pedantic(measure, rounds=1, iterations=1)
     ours = torch._dynamo.utils.counters["ca_dynsaved"]
-    # each plugin_varying step checked its 3 nodes' new values, none refused
-    assert ours["verify_traces"] == 3 * (warm + passes * steps)
+    # each plugin_varying step checked its new values once, none refused (the 3 nodes
+    # share one plan: the same function, layout and values)
+    assert ours["verify_traces"] == warm + passes * steps
     assert ours["verify_fallbacks"] == 0
     floor = min(medians["stock_constant"])
     result = {

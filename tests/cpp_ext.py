@@ -254,7 +254,8 @@ struct SymScaleFn : public Function<SymScaleFn<TRACE, MODE>> {
 // 4 the double into leaky_relu (a Scalar-only op), 5 a branch on the double,
 // 6 a tensor size read as a number (x.size(0)): traced, it would be baked in;
 // 7 a size read only for large k (a branch verify's small tensors take the other
-// way), 8 a read of the tensor's data (item()).
+// way), 8 a read of the tensors' data (at::equal), 9 a value computed from alpha
+// into leaky_relu. 1 and 2 compute values from the numbers: lifted (sentinel.Derived).
 template <int MODE>
 struct DirectFn : public Function<DirectFn<MODE>> {
   static constexpr bool is_traceable = true;
@@ -291,6 +292,9 @@ struct DirectFn : public Function<DirectFn<MODE>> {
       // branch goes the template's way
       bool big = k > 1000000 && x.size(0) > 3;
       gx = g[0] * x * alpha * (big ? 2.0 : 1.0) + g[0] * beta;
+    } else if constexpr (MODE == 9) {
+      // a value computed from alpha, into an op whose Scalar no tensor can carry
+      gx = at::leaky_relu(g[0] * x, 2.0 * alpha) * static_cast<double>(k) + g[0] * beta;
     } else {
       // reads the tensors' data
       gx = at::equal(x, g[0]) ? g[0] * beta : g[0] * x * alpha + g[0] * beta;
@@ -309,6 +313,7 @@ at::Tensor direct_fn(at::Tensor x, int64_t k, double alpha, double beta, int64_t
     case 5: return DirectFn<5>::apply(x, k, alpha, beta);
     case 6: return DirectFn<6>::apply(x, k, alpha, beta);
     case 7: return DirectFn<7>::apply(x, k, alpha, beta);
+    case 9: return DirectFn<9>::apply(x, k, alpha, beta);
     default: return DirectFn<8>::apply(x, k, alpha, beta);
   }
 }

@@ -20,7 +20,7 @@ from helpers import Counts, counts, entry_point, frame_breaks, leaf_grad_step, r
 pytestmark = pytest.mark.every_release
 
 NAME = "DirectFn"
-DIRECT, TRANSFORMED, PARITY, CAPPED, LEAKY, BRANCH, SIZED, SIZE_GATED, DATA = range(9)
+DIRECT, TRANSFORMED, PARITY, CAPPED, LEAKY, BRANCH, SIZED, SIZE_GATED, DATA, DERIVED_LEAKY = range(10)
 
 
 def _k(i: int) -> int:
@@ -116,16 +116,34 @@ def test_trace_cpp_names_are_traced_under_any_policy(ext):
 
 #: mode -> the reason the sentinel check refuses it
 REFUSED = {
-    TRANSFORMED: "argument 1 of aten.mul.Scalar is computed from a saved value (0.6385728973675814, then -3.4660547401377544)",
-    PARITY: "argument 1 of aten.mul.Scalar is computed from a saved value (1.0, then 0.0)",
     LEAKY: (
         "saved 'alpha' (a double) reaches argument 1 of aten.leaky_relu.default, where the backend would "
         "specialise it (only the scalar of mul/add/sub/div/pow on a floating tensor can take it)"
     ),
+    DERIVED_LEAKY: (
+        "argument 1 of aten.leaky_relu.default is computed from a saved value (0.6385728973675814, then "
+        "-3.4660547401377544), a double where the backend would specialise it (only the scalar of "
+        "mul/add/sub/div/pow on a floating tensor can take it)"
+    ),
 }
 
 
-@pytest.mark.parametrize("mode", REFUSED, ids=["transformed", "k%2", "scalar-only op"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("mode", [TRANSFORMED, PARITY], ids=["2*alpha", "k%2"])
+def test_values_computed_from_the_numbers_are_lifted(ext, mode, backend):
+    """g * x * (2 * alpha), g * x * alpha * (k % 2): the sentinel traces differ there
+    by more than the sentinels; verify's run of each new tuple gives the computed
+    value, which the graph takes as an input (a double through the packed float64
+    tensor): traced, one compile, eager's gradients, k % 2 at negative k included."""
+    run_loop(_step(ext, mode), lambda: ca_dynsaved.enable(backend=backend, fullgraph=True))
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+    (node,) = ca_dynsaved.report().nodes
+    assert node.handling == "traced-dynamic"
+    assert node.reason.endswith(", and 1 value computed from them (lifted per new value); each new value verified")
+    assert (_counter("verify_traces"), _counter("verify_fallbacks"), _counter("opaque_nodes")) == (12, 0, 0)
+
+
+@pytest.mark.parametrize("mode", REFUSED, ids=["scalar-only op", "computed, into a scalar-only op"])
 def test_sentinel_check_refuses(ext, mode):
     with pytest.warns(UserWarning, match=rf"trace_cpp refused .*DirectFn<{mode}>.*: it runs opaque|trace_cpp refused"):
         run_loop(_step(ext, mode), _optin("inductor"))
@@ -135,8 +153,9 @@ def test_sentinel_check_refuses(ext, mode):
     assert (_counter("optin_cpp_nodes"), _counter("opaque_nodes")) == (0, 1)
 
 
-#: What the default's refusals add to the probe's reason: the sentinel traces',
-#: the size-read and the data-read refusals (docs/cpp.md, "Why the default is sound").
+#: What the default's refusals add to the probe's reason: the sentinel traces'
+#: (a double and a value computed from one where no tensor can carry it), the
+#: size-read and the data-read refusals (docs/cpp.md, "Why the default is sound").
 DEFAULT_REFUSED = {
     **REFUSED,
     SIZED: "its backward reads a tensor's sizes (aten.size.default), which verify cannot check for other sizes",
@@ -188,10 +207,10 @@ def test_a_size_read_as_a_number_stays_opaque(ext):
 def test_refusal_warns_once_per_function(ext):
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        run_loop(_step(ext, PARITY), _optin())
-        run_loop(_step(ext, PARITY), _optin())
+        run_loop(_step(ext, LEAKY), _optin())
+        run_loop(_step(ext, LEAKY), _optin())
     assert [str(w.message) for w in seen if "trace_cpp" in str(w.message)] == [
-        f"ca_dynsaved: trace_cpp refused torch::autograd::CppNode<DirectFn<2> >: {REFUSED[PARITY]}; it runs opaque"
+        f"ca_dynsaved: trace_cpp refused torch::autograd::CppNode<DirectFn<4> >: {REFUSED[LEAKY]}; it runs opaque"
     ]
 
 

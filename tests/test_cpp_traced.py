@@ -78,16 +78,18 @@ def test_what_stays_opaque_and_why(ext, case):  # and the one the sentinels trac
     assert (node.handling, node.reason) == (handling, reason)
 
 
-def test_plain_reader_stays_opaque(ext):
-    """toInt()/toDouble() and a number computed from them (a * s): the probe's guard
-    and the sentinel traces' disagreement keep the node opaque."""
+def test_plain_reader_traced_with_sentinels(ext):
+    """toInt()/toDouble() and numbers computed from them ((a + b) * s, 2 * t, a - b): the probe
+    guards on the plain read, so the sentinel traces take the node; the computed
+    values are lifted from verify's run of each new tuple."""
     run_loop(leaf_grad_step(lambda x, i: ext.scale_traceable(x, *scale_args(i))), lambda: ca_dynsaved.enable(backend="aot_eager"))
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
     (node,) = ca_dynsaved.report().nodes
-    assert node.handling == "opaque"
-    assert node.reason.startswith("saved 'a' is read as a plain number (guard Eq(")
-    assert node.reason.endswith("; argument 1 of aten.mul.Scalar is computed from a saved value "
-                                "(0.6385728973675814, then -3.4660547401377544)")
+    assert node.handling == "traced-dynamic"
+    assert node.reason == (
+        "traced with sentinels: uses its saved numbers only as op arguments: none, and 3 values computed "
+        "from them (lifted per new value); each new value verified"
+    )
 
 
 def test_traced_opaque_and_python_nodes_in_one_graph(ext):

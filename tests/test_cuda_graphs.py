@@ -45,7 +45,8 @@ pytestmark = pytest.mark.every_release
 
 
 def _cpp_apply(ext):
-    return lambda x, i: ext.scale_traceable(x.sin(), *scale_args(i)).cos()
+    # not is_traceable: opaque (a traceable toInt() reader is traced with sentinels)
+    return lambda x, i: ext.scale_opaque(x.sin(), *scale_args(i)).cos()
 
 
 def _python_apply(ext):
@@ -116,8 +117,9 @@ def test_inductor_flags_exactly_the_opaque_op(ext, kind, entry):
     stock = _LoweredGraphs()
     with stock_enable("inductor", options={"post_grad_custom_post_pass": stock}):
         _step(ext, kind)(0)
-    assert stock.first_incompatible == [None]
-    assert stock.unsafe == [[]]
+    # (stock breaks its graph around the non-traceable C++ function: a graph a side)
+    assert set(stock.first_incompatible) == {None}
+    assert all(targets == [] for targets in stock.unsafe)
 
 
 @pytest.mark.parametrize("kind", sorted(FUNCTIONS))
@@ -185,7 +187,7 @@ def test_dynamic_means_what_it_means_to_torch_compile(ext, dynamic):
 
     def step(i: int):
         x = torch.linspace(-1.0, 1.0, 4 + i, requires_grad=True)
-        ext.scale_traceable(x * 2, *scale_args(i)).sum().backward()
+        ext.scale_opaque(x * 2, *scale_args(i)).sum().backward()  # opaque: a first eager run per capture
         return (x.grad,)
 
     run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager", dynamic=dynamic), steps=6)

@@ -140,14 +140,16 @@ def test_config_flag_off_is_stock(ext):
 def test_stock_behaviour_returns_after_the_context(ext):
     step = _step_fn(ext)
     limit = torch._dynamo.config.recompile_limit
-    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"))
+    # opaque: the compiled code of an opaque graph is kept for a recapture (reuse.py)
+    plugin = lambda: ca_dynsaved.enable(backend="aot_eager", cpp_policy="opaque")  # noqa: E731
+    run_loop(step, plugin)
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
     # Stock again: the plugin's cached CA graph is dropped, stock recompiles per value.
     run_loop(step, stock_enable)
     assert counts() == Counts(captures=2, compiles=1 + limit, graph_breaks=0)
     # And back: the stock graph is dropped; the plugin captures again and reuses the
     # function it compiled for the same graph before (reuse.py).
-    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"))
+    run_loop(step, plugin)
     assert counts() == Counts(captures=3, compiles=1 + limit, graph_breaks=0)
     assert torch._dynamo.utils.counters["ca_dynsaved"]["reuse_hits"] == 1
 
@@ -212,7 +214,7 @@ def test_plugin_inside_stock_context_then_stock_again(ext):
                 bwd(i)
         bwd(5)  # the stock graph is captured again: the plugin's is not reused
     assert counts().captures == 3
-    assert [n.opaque for n in ca_dynsaved.report().nodes] == [True]
+    assert [n.handling for n in ca_dynsaved.report().nodes] == ["traced-dynamic"]
 
 
 def test_config_entry_is_a_real_config(ext):
@@ -260,7 +262,8 @@ def test_changing_plugin_options_recaptures(ext):
     step = _step_fn(ext)
     run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager", exclude=["ScaleFn"]), steps=2)
     run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=2)
-    assert [n.opaque for n in ca_dynsaved.report().nodes] == [False, True]
+    # excluded: stock; then the plugin's default: traced with sentinels
+    assert [n.handling for n in ca_dynsaved.report().nodes] == ["stock", "traced-dynamic"]
     assert counts().captures == 2
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ca_dynsaved
-from ca_dynsaved import opaque, reuse
+from ca_dynsaved import opaque, reuse, runtime, sentinel
 from ca_dynsaved.report import MAX_CAPTURES, MAX_COUNTED, MAX_VALUES
 from helpers import Counts, assert_grads_equal, counts
 from test_python_ctx import ScaleFn
@@ -65,8 +65,12 @@ def test_thousand_steps_of_new_ints_and_floats(ext):
             rss_at_100 = _rss()
     growth = _rss() - rss_at_100
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
-    # Two C++ node specs (the Python function is traced: no spec), one compiled graph.
-    assert sizes == (opaque.registry_size(), reuse.cache_size()) == (2, 1)
+    # One C++ node spec (scale_traceable and the Python function are traced: no
+    # spec), one compiled graph; verify's results for scale_traceable: the newest
+    # CHECKED_LIMIT tuples.
+    assert sizes == (opaque.registry_size(), reuse.cache_size()) == (1, 1)
+    (plan,) = [p for p in sentinel._CACHE.values() if p.traced]
+    assert len(plan.checked) == runtime.CHECKED_LIMIT
     assert len(ca_dynsaved.report().captures) == 1
     _assert_keys_bounded(1000, {"a", "b", "s", "t", "k", "scale"})
     assert growth < 16 * MIB, f"RSS grew {growth / MIB:.1f} MiB over 900 steps"

@@ -104,12 +104,14 @@ def test_cpp_symbolic_reader_traced(ext):
     assert {n.handling for n in ca_dynsaved.report().nodes} == {"traced-dynamic"}
 
 
-@pytest.mark.parametrize("mode", [0, 3], ids=["direct", "capped"])
+@pytest.mark.parametrize("mode", [0, 3, 1, 2], ids=["direct", "capped", "2*alpha", "k%2"])
 def test_cpp_opted_in_plain_reader_traced(ext, mode):
     """toInt()/toDouble() readers opted in with trace_cpp: the int reaches the op as
     a double through the packed int64 tensor, the doubles through the packed float64
     one, bit-identical to eager over the extremes. ``capped`` (std::min on both)
-    passes the sentinel check; verify runs every value the caps change directly."""
+    passes the sentinel check; verify runs every value the caps change directly.
+    ``2*alpha`` and ``k%2``: values computed from the numbers, lifted from verify's
+    run (int64 extremes, inf, NaN, -0.0 and subnormals included)."""
     step = _leaf_grad(lambda x, k, alpha, beta: ext.direct_fn(x, k, alpha, beta, mode))
 
     @SEARCH

@@ -27,7 +27,7 @@ def _scale_loop(ext, **options):
 
 
 def test_cpp_lifted_values_are_dynamic(ext):
-    _scale_loop(ext)
+    _scale_loop(ext, cpp_policy="opaque")  # the opaque op's reasons and counters
     (function,) = ca_dynsaved.report().functions.values()
     assert (function.name, function.kind, function.opaque) == (
         "torch::autograd::CppNode<ScaleFn<true> >", "C++", True

@@ -27,6 +27,7 @@ frame (DESIGN-NOTES pitfall 1).
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -95,6 +96,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         self._sentinel_regions: list[tuple[list[torch.fx.Node], dict[str, str], dict[str, Any]]] = []
         self._verifying: tuple[Any, ...] | None = None  # a verified node awaiting validate_outputs
         self._checks: list[runtime.Check] = []  # verify: one per verified node
+        self._derived = [0, 0]  # ints and doubles sentinel-traced nodes compute from their numbers
         return out
 
     @_disable
@@ -159,12 +161,47 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         graph = self.fx_tracer.graph
         before = len(graph.nodes)
         sentinels = sentinel.values(plan.plan.kinds, 0)
-        outs = cpptrace.trace(self, fn, grads, call, values=plan.inputs.values(sentinels))
+        ops = sentinel.NodesOfOps(graph)
+        around = ops if plan.plan.derived else None
+        outs = cpptrace.trace(self, fn, grads, call, values=plan.inputs.values(sentinels), around=around)
         region = list(graph.nodes)[before:]
         self._sentinel_regions.append((region, plan.plan.kinds, dict(zip(call.keys, call.values))))
+        slots = self._place_derived(plan.plan, ops.nodes)
         if plan.verify:
-            self._verifying = (fn, grads, call, plan, region)
+            self._verifying = (fn, grads, call, plan, region, slots)
         return outs
+
+    def _place_derived(self, plan: sentinel.Plan, nodes: list[Any]) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """The graph reads each value the node computes from its numbers (a
+        ``sentinel.Derived``) from the run: an int from the scalars list after the
+        packed tensors (dynamic from the first compile), a double from the float64
+        packed tensor after the lifted doubles. Returns (int slots, float slots) as
+        ``runtime.Check`` places them: (Derived.index, index among the graph's)."""
+        if not plan.derived:
+            return ((), ())
+        ints, floats = [], []
+        for index in plan.derived_of(opaque.INT):
+            ints.append((index, self._derived[0]))
+            self._dynamic_sources.append(f"L['scalars'][{len(self._scalar_kinds) + 2 + self._derived[0]}]")
+            self._derived[0] += 1
+        for index in plan.derived_of(opaque.FLOAT):
+            floats.append((index, self._derived[1]))
+            self._derived[1] += 1
+        at_int, at_float = dict(ints), dict(floats)
+        n_floats = self._scalar_kinds.count(opaque.FLOAT)
+
+        def value_for(derived: sentinel.Derived) -> torch.fx.Node:
+            # placed after the packed tensors' nodes: before the node's ops
+            graph = self.fx_tracer.graph
+            packed = self._packed_scalar_proxies()[1].node
+            with graph.inserting_after(packed):
+                if derived.kind is opaque.INT:
+                    index = len(self._scalar_kinds) + 2 + at_int[derived.index]
+                    return graph.call_function(operator.getitem, (self.scalars_proxy.node, index))
+                return graph.call_function(torch.ops.aten.select.int, (packed, 0, n_floats + at_float[derived.index]))
+
+        sentinel.rewrite_derived(plan, nodes, value_for)
+        return tuple(ints), tuple(floats)
 
     @_disable
     def proxy_call_backward(  # type: ignore[override]
@@ -269,7 +306,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
     def _add_check(self, outputs: Sequence[Any]) -> None:
         """verify: what running the verified node just traced directly takes, for the
         steps whose new values its check refuses (runtime.Check)."""
-        fn, grads, call, plan, region = self._verifying  # type: ignore[misc]
+        fn, grads, call, plan, region, (int_slots, float_slots) = self._verifying  # type: ignore[misc]
         self._verifying = None
 
         def node(t: Any) -> torch.fx.Node | None:
@@ -291,7 +328,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
             [node(o) for o in outputs],
         )
         keys = tuple(k for k in call.keys if k in plan.plan.kinds)  # the numbers, as plan.scalars
-        check = runtime.Check(call.name, plan.plan, plan.inputs, keys, plan.scalars, fallback)
+        check = runtime.Check(call.name, plan.plan, plan.inputs, keys, plan.scalars, fallback, int_slots, float_slots)
         self._checks.append(check)
 
     def _packed_scalar_proxies(self) -> tuple[Any, Any]:
@@ -356,6 +393,6 @@ class DynSavedCompilerInstance(StockCompilerInstance):
             packer = runtime.Packer(self._scalar_kinds, tensors=self._packed_proxies is not None)
         wrapper = runtime.make_runtime_wrapper(
             runtime_wrapper, self._graph_module, packer, self._nodes, self._capture,
-            self.compiler_fn, tuple(self._dynamic_sources), tuple(self._checks),
+            self.compiler_fn, tuple(self._dynamic_sources), tuple(self._checks), (self._derived[0], self._derived[1]),
         )
         return wrapper, compiled_fn

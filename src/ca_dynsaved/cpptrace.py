@@ -36,6 +36,7 @@ in (``trace_cpp``) are traced by ``sentinel``, through the same ``trace``.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Any, Callable, Mapping, Sequence
 
@@ -114,10 +115,12 @@ def _decide(fn: Any, call: CppCall, lifted: Mapping[Any, Any]) -> Verdict:
 
 
 def trace(
-    instance: Any, fn: Any, grads: Sequence[Any], call: CppCall, values: Sequence[Any] | None = None
+    instance: Any, fn: Any, grads: Sequence[Any], call: CppCall, values: Sequence[Any] | None = None,
+    around: Any = None,
 ) -> list[Any]:
     """Call the functional under the capture's modes so its ATen ops are recorded
-    (``values``: in place of the saved numbers, as ``sentinel`` traces).
+    (``values``: in place of the saved numbers, as ``sentinel`` traces; ``around``: a
+    mode for the call alone, ``sentinel.NodesOfOps``).
 
     Its inputs are fake tensors of the capture's concrete sizes bound to the
     proxies of the incoming grads (CA passes placeholders) and saved tensors: the
@@ -134,7 +137,8 @@ def trace(
     instance.bind_objects_to_proxies(
         [t for t in saved if t is not None], [instance.to_proxy(t) for t in call.saved if t is not None]
     )
-    outs = list(call.call(fn, fake_grads, values=values, saved=saved))
+    with around if around is not None else contextlib.nullcontext():
+        outs = list(call.call(fn, fake_grads, values=values, saved=saved))
     with no_proxy_modes():
         dummies = [None if o is None else instance.allocate_dummy() for o in outs]
     instance.bind_objects_to_proxies(

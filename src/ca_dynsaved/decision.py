@@ -14,9 +14,11 @@ The plans:
 
 * ``CppTrace``: the backward reads its numbers symbolically (``cpptrace``): traced as
   it is, its lifted ints dynamic, its doubles read from the packed float64 tensor;
-* ``SentinelTrace``: a ``toInt()`` / ``toDouble()`` reader opted in with ``trace_cpp``
-  (``sentinel``): traced with sentinels, rewritten to the lifted values, and, with
-  ``verify``, each new tuple of values checked before the compiled graph uses it;
+* ``SentinelTrace``: a ``toInt()`` / ``toDouble()`` reader (by default, or named in
+  ``trace_cpp``), or a C++ function with hashed values in its first capture
+  (``COMBINATIONS``) (``sentinel``): traced with sentinels, rewritten to the lifted
+  and computed values, each new tuple of values checked before the compiled graph
+  uses it (``verify``: off only for a ``trace_cpp`` name with ``verify=False``);
 * ``PythonTrace``: stock CA traces it, its ctx numbers dynamic from the first
   compile (``pyctx``, ``probe``);
 * ``OpaqueCall``: one opaque op runs the backward with this step's values
@@ -201,7 +203,7 @@ def decide_cpp(
     if not plan.traced or sizes:
         refusal = sizes or plan.reason
         return _opaque_cpp(node, call, f"trace_cpp refused: {refusal}" if optin else f"{verdict.reason}; {refusal}"), call
-    verify = options.verify or not optin
+    verify = options.verify or not optin or bool(plan.derived)  # verify's run gives the derived values
     checked = "; each new value verified" if verify else ""
     how = "opt-in (trace_cpp)" if optin else "traced with sentinels"
     constants = f"; its hashed values ({', '.join(hashed)}) constants of this graph" if hashed else ""

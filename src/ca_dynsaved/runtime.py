@@ -62,9 +62,12 @@ class Packer:
         self._ints = _picker([i for i, kind in enumerate(self.kinds) if kind is opaque.INT])
         self._floats = _picker([i for i, kind in enumerate(self.kinds) if kind is not opaque.INT])
 
-    def __call__(self, values: list[Any]) -> tuple[Sequence[int], Sequence[float], list[Any]]:
+    def __call__(
+        self, values: list[Any], derived_ints: Sequence[int] = (), derived_floats: Sequence[float] = ()
+    ) -> tuple[Sequence[int], Sequence[float], list[Any]]:
         """(the ints, the doubles, the graph's scalars: ``values``, then the packed
-        tensors if any)."""
+        tensors if any, the doubles computed from the saved numbers at the end of the
+        float64 one, then the ints computed from them: ``sentinel.Derived``)."""
         if len(values) != len(self.kinds):
             raise RuntimeError(
                 f"ca_dynsaved: CA graph captured with {len(self.kinds)} lifted scalars, called with {len(values)}"
@@ -77,12 +80,14 @@ class Packer:
                     raise TypeError(f"ca_dynsaved: lifted saved value {value!r} was a {kind} at capture")
         if not self.tensors:
             return ints, floats, values
+        packed = (*floats, *derived_floats) if derived_floats else floats
         # frombuffer over an array (the tensor keeps it alive) is 4x cheaper than
         # torch.tensor(list); it refuses an empty buffer.
         return ints, floats, [
             *values,
             torch.frombuffer(array.array("q", ints), dtype=torch.int64) if ints else _EMPTY_INTS,
-            torch.frombuffer(array.array("d", floats), dtype=torch.float64) if floats else _EMPTY_FLOATS,
+            torch.frombuffer(array.array("d", packed), dtype=torch.float64) if packed else _EMPTY_FLOATS,
+            *derived_ints,
         ]
 
 
@@ -128,6 +133,11 @@ class Fallback:
         return self.call.name
 
 
+#: verify results kept per plan (a step counter makes one a step; a tuple that comes
+#: back after this many others is checked again).
+CHECKED_LIMIT = 256
+
+
 @dataclass
 class Check:
     """verify: which saved-number tuples of one opted-in node the template holds for."""
@@ -138,21 +148,43 @@ class Check:
     keys: tuple[str, ...]
     indices: tuple[int, ...]  # each key's index among the lifted scalars
     fallback: Fallback
-    seen: dict[tuple[Any, ...], str] = field(default_factory=dict)  # values -> '' or why refused
+    # where its derived values go: (Derived.index, index among the graph's derived ints / floats)
+    int_slots: tuple[tuple[int, int], ...] = ()
+    float_slots: tuple[tuple[int, int], ...] = ()
+    derived: tuple[Any, ...] = ()  # of the last tuple checked
+
+    def __post_init__(self) -> None:
+        # what the check's result depends on besides the values: the plan (whose cache
+        # it is) and the small tensors' layout
+        self._layout = repr((self.inputs.saved, self.inputs.grads))
 
     def refusal(self, scalars: Sequence[Any]) -> str:
-        """'' if these scalars' values may run traced; else why not (cached per tuple;
-        NaN keys by repr, as a NaN is unequal to itself)."""
+        """'' if these scalars' values may run traced; else why not (cached per tuple,
+        shared by the nodes of one plan; NaN keys by repr, as a NaN is unequal to
+        itself). Sets ``derived``: the values the backward computes from them, which
+        the graph takes as inputs."""
         values = tuple(scalars[i] for i in self.indices)
-        key = tuple(repr(v) if isinstance(v, float) else v for v in values)
-        found = self.seen.get(key)
+        key = (self._layout, tuple(repr(v) if isinstance(v, float) else v for v in values))
+        found = self.plan.checked.get(key)
         if found is None:
             counters["ca_dynsaved"]["verify_traces"] += 1
-            found = self.seen[key] = sentinel.check(self.plan, self.inputs, dict(zip(self.keys, values)))
-            if found:
+            found = self.plan.checked[key] = sentinel.check(self.plan, self.inputs, dict(zip(self.keys, values)))
+            if len(self.plan.checked) > CHECKED_LIMIT:  # values new every step: keep the newest
+                del self.plan.checked[next(iter(self.plan.checked))]
+            if found[0]:
                 # The report keeps it (CaptureRecord.refused); never the user's WARNING log.
-                log.info("ca_dynsaved: %s with saved %s runs opaque this step: %s", self.name, self.named(values), found)
-        return found
+                log.info("ca_dynsaved: %s with saved %s runs opaque this step: %s", self.name, self.named(values), found[0])
+        self.derived = found[1]
+        return found[0]
+
+    def place(self, ints: list[Any], floats: list[Any]) -> None:
+        """Put the last checked tuple's derived values where the graph reads them (a
+        refused tuple has none: the graph that runs then does not read them)."""
+        if self.derived:
+            for index, at in self.int_slots:
+                ints[at] = self.derived[index]
+            for index, at in self.float_slots:
+                floats[at] = self.derived[index]
 
     def named(self, values: Sequence[Any]) -> dict[str, Any]:
         return dict(zip(self.keys, values))
@@ -234,12 +266,15 @@ def make_runtime_wrapper(
     compiler_fn: Callable[..., Any],
     dynamic_sources: Sequence[str] = (),
     checks: Sequence[Check] = (),
+    derived: tuple[int, int] = (0, 0),
 ) -> Callable[..., Any]:
     """Wrap CA's runtime wrapper for a captured graph with opaque ops for ``nodes``;
     ``packer`` when C++ opaque ops or traced nodes read the lifted scalars;
     ``dynamic_sources``: the scalars Dynamo must treat as dynamic (traced Python
     ctx numbers), re-marked when the graph's code is regenerated; ``checks``: the
-    verify checks of opted-in traced nodes."""
+    verify checks of sentinel-traced nodes; ``derived``: how many ints and doubles
+    those nodes compute from their numbers (``sentinel.Derived``), which the
+    checks give per step."""
     compiled: list[Callable[..., Any]] = []  # set once every node has run
     # Only a Python opaque node runs under the caller's dispatch keys: read them then.
     python = any(node.fn is None for node in nodes)
@@ -251,10 +286,13 @@ def make_runtime_wrapper(
         record.observe(scalars, hooks)
         ints: Sequence[int] = ()
         floats: Sequence[float] = ()
+        reasons = {i: reason for i, check in enumerate(checks) if (reason := check.refusal(scalars))} if checks else {}
         if packer is not None:
-            ints, floats, scalars = packer(scalars)
+            derived_ints, derived_floats = [0] * derived[0], [0.0] * derived[1]
+            for check in checks:
+                check.place(derived_ints, derived_floats)
+            ints, floats, scalars = packer(scalars, derived_ints, derived_floats)
         if checks:
-            reasons = {i: reason for i, check in enumerate(checks) if (reason := check.refusal(scalars))}
             if reasons:
                 counters["ca_dynsaved"]["verify_fallbacks"] += 1
                 for i, reason in reasons.items():
@@ -267,8 +305,16 @@ def make_runtime_wrapper(
                 with binding.bound_run(hooks, nodes, ints, floats, python):
                     return runtime_wrapper(runner, inputs, sizes, scalars, hooks, packed_inputs)
         if not nodes:  # nothing opaque: the graph as captured (traced C++ nodes may
-            # read the packed floats)
-            return runtime_wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
+            # read the packed floats); with sentinel-traced nodes its first run is
+            # eager, as a graph with opaque nodes runs it, so a capture used once (a
+            # batch whose captures change) compiles nothing
+            if compiled or not checks:
+                fn = compiled_fn
+            else:
+                compiled.append(compiled_fn)
+                counters["ca_dynsaved"]["first_eager_runs"] += 1
+                fn = graph_module
+            return runtime_wrapper(fn, inputs, sizes, scalars, hooks, packed_inputs)
         if not compiled and all(node.defined is not None for node in nodes):
             reuse.name_learned_outputs(graph_module, nodes)
             fuse.chains(graph_module)  # new code: mark it again

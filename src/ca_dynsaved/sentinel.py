@@ -1,27 +1,29 @@
-"""Opt-in tracing of C++ backwards that read saved numbers with ``toInt()`` / ``toDouble()``.
+"""Tracing C++ backwards that read saved numbers with ``toInt()`` / ``toDouble()``.
 
 Such a backward turns the lifted symbol into a plain number, so a tracer cannot see
-what it computes from it (``cpptrace`` keeps these nodes opaque). A user who knows
-the backward only passes its saved numbers to ATen ops (``enable(trace_cpp=...)``)
-may have it traced anyway: at capture the functional runs with a *sentinel* in
-place of each number, and every op argument equal to a sentinel becomes the lifted
-value (``rewrite``): an int as the graph's symbolic scalar, a double (or an int
-cast to double) as the packed float64 tensor, the op switched from ``X.Scalar`` to
-``X.Tensor``.
+what it computes from it. It is traced anyway, by default (``decision.decide_cpp``;
+``enable(trace_cpp=...)`` names functions the user vouches for): at capture the
+functional runs with a *sentinel* in place of each number, and every op argument
+equal to a sentinel becomes the lifted value (``rewrite``): an int as the graph's
+symbolic scalar, a double (or an int cast to double) as the packed float64 tensor,
+the op switched from ``X.Scalar`` to ``X.Tensor``. An argument computed from the
+numbers (``2 * alpha``, ``k % 3``: a ``Derived``) becomes a graph input too, its
+value per new tuple read from verify's run (``rewrite_derived``).
 
-The user's word is checked as far as it can be:
+What the sentinels cannot show is checked (docs/cpp.md, "Why the default is sound"):
 
 * ``plan`` (once per function and layout) traces the backward twice on small
   real tensors (``Inputs.record``), with two sentinel sets that differ in sign, parity and magnitude, and
-  compares: the same ops, every argument either equal in both or the sentinel of
-  the same saved number in both. A branch taken differently, ``k % 2``, ``2 *
-  alpha``, a number used as a size: refused, with a warning naming the node, the op
-  and the argument, and the node stays opaque. A double may only reach an
-  ``X.Scalar`` op's scalar on a floating tensor; anywhere else the backend would
-  specialise it.
+  compares: the same ops, every argument equal in both, the sentinel of the same
+  saved number in both, or an int or double computed from them. A branch taken
+  differently, a read of a tensor's sizes (``SizeWatched`` tensors make it an op of
+  the recording) or data: refused (the report says why; a ``trace_cpp`` name also
+  warns), and the node stays opaque. A double may only reach an ``X.Scalar`` op's
+  scalar on a floating tensor; anywhere else the backend would specialise it.
 * Two sentinels cannot see everything (a branch both take the same way,
-  ``std::min(k, 64)`` with both above 64). ``verify`` (on by default) re-traces the
-  node the same way with each *new* value before the compiled graph uses it
+  ``std::min(k, 64)`` with both above 64). ``verify`` (always, except for a
+  ``trace_cpp`` name with ``verify=False``) re-runs the node the same way with
+  each *new* value before the compiled graph uses it
   (``check``), and compares with the plan's template; on a difference that step
   runs the node directly (``runtime.Check``), and the report names the node and
   the value.
@@ -62,6 +64,16 @@ class Slot:
 
 
 @dataclass(frozen=True)
+class Derived:
+    """An op argument the backward computes from its saved numbers (``2 * alpha``,
+    ``k % 3``): lifted too, its value read from verify's run of each new tuple;
+    ``index``: its place among the node's derived values."""
+
+    kind: str
+    index: int
+
+
+@dataclass(frozen=True)
 class _Tensor:
     """A tensor argument, as a trace records it."""
 
@@ -78,8 +90,16 @@ class Plan:
 
     traced: bool
     reason: str
-    template: tuple[_Op, ...] = ()  # trace 0, each sentinel argument a Slot
+    template: tuple[_Op, ...] = ()  # trace 0, each sentinel argument a Slot, each computed one a Derived
     kinds: dict[str, str] = field(default_factory=dict)  # saved key -> INT / FLOAT
+    derived: tuple[tuple[int, int, str], ...] = ()  # (op index, leaf position, kind) per Derived
+    # verify's results, shared by every node of this plan: (its inputs' layout, values)
+    # -> (refusal, derived values); a layer's worth of one function checks a tuple once
+    checked: dict[tuple[Any, ...], tuple[str, tuple[Any, ...]]] = field(default_factory=dict, compare=False, repr=False)
+
+    def derived_of(self, kind: str) -> list[int]:
+        """The node's derived values of ``kind`` (their ``Derived.index``), in order."""
+        return [i for i, (*_, k) in enumerate(self.derived) if k is kind]
 
 
 class _Recorder(TorchDispatchMode):
@@ -103,7 +123,9 @@ def _flatten(values: Sequence[Any], into: list[Any]) -> None:
     traces."""
     for value in values:
         if isinstance(value, torch.Tensor):
-            into.append(_Tensor(tuple(value.shape), value.dtype))
+            # a SizeWatched tensor's own shape would be one more Python dispatch
+            inner = getattr(value, "inner", value)
+            into.append(_Tensor(tuple(inner.shape), inner.dtype))
         elif isinstance(value, (list, tuple)):
             into.append(len(value))  # the structure
             _flatten(value, into)
@@ -188,8 +210,10 @@ def plan(name: str, inputs: Inputs, kinds: dict[str, str], warn: bool = False) -
     """The verdict for this node's function and layout, traced on a miss; with
     ``warn`` (the user opted it in), a refusal warns once, naming the node and what
     it saw (otherwise the report says it)."""
-    # hashed values by repr: a list or dict is no dict key, and the template holds them
-    key = (name, inputs.keys, tuple(kinds.values()), tuple(g is None for g in inputs.grads), repr(inputs.constants))
+    # the template holds the small tensors' layout (dtypes: a bf16 run of the same
+    # function is another template) and the hashed values (by repr: a list or dict is
+    # no dict key)
+    key = (name, inputs.keys, tuple(kinds.values()), repr((inputs.saved, inputs.grads, inputs.constants)))
     found = _CACHE.get(key)
     if found is None:
         counters["ca_dynsaved"]["sentinel_plans"] += 1
@@ -258,6 +282,7 @@ def _plan(inputs: Inputs, kinds: dict[str, str]) -> Plan:
         if refusal:
             return Plan(False, refusal)
     template = []
+    derived: list[tuple[int, int, str]] = []
     for index, ((op, a_leaves), (_, b_leaves)) in enumerate(zip(first, second)):
         if len(a_leaves) != len(b_leaves):
             return Plan(False, f"the arguments of {op} (op {index}) depend on saved values")
@@ -275,10 +300,44 @@ def _plan(inputs: Inputs, kinds: dict[str, str]) -> Plan:
             elif same(a, b):
                 leaves.append(a)
             else:
-                return Plan(False, f"argument {position - 1} of {op} is computed from a saved value ({a!r}, then {b!r})")
+                kind = _number_kind(a, b)
+                refusal = _derived_placement(op, a_leaves, position, kind, a, b)
+                if refusal:
+                    return Plan(False, refusal)
+                derived.append((index, position, kind))
+                leaves.append(Derived(kind, len(derived) - 1))
         template.append((op, tuple(leaves)))
     used = sorted({leaf.key for _, leaves in template for leaf in leaves if isinstance(leaf, Slot)})
-    return Plan(True, "uses its saved numbers only as op arguments: " + (", ".join(used) or "none"), tuple(template), dict(kinds))
+    reason = "uses its saved numbers only as op arguments: " + (", ".join(used) or "none")
+    if derived:
+        reason += f", and {len(derived)} value{'s' if len(derived) > 1 else ''} computed from them (lifted per new value)"
+    return Plan(True, reason, tuple(template), dict(kinds), tuple(derived))
+
+
+def _number_kind(a: Any, b: Any) -> str | None:
+    """INT / FLOAT when both traces gave a number of that type there (a bool is no
+    number here), else None."""
+    if type(a) is type(b) is int:
+        return opaque.INT
+    if type(a) is type(b) is float:
+        return opaque.FLOAT
+    return None
+
+
+def _derived_placement(op: Any, leaves: tuple[Any, ...], position: int, kind: str | None, a: Any, b: Any) -> str:
+    """Why an argument computed from the saved numbers cannot be lifted, or ''."""
+    computed = f"argument {position - 1} of {op} is computed from a saved value ({a!r}, then {b!r})"
+    if kind is None:
+        return computed + ", and is not an int or a double"
+    if kind is opaque.INT:
+        return ""
+    self_ = leaves[1] if len(leaves) > 1 else None
+    if op in REWRITES and position == 2 and isinstance(self_, _Tensor) and self_.dtype.is_floating_point:
+        return ""
+    return computed + (
+        ", a double where the backend would specialise it (only the scalar of mul/add/sub/div/pow on a "
+        "floating tensor can take it)"
+    )
 
 
 #: Tensor metadata whose value verify's small tensors do not share with the real
@@ -321,26 +380,94 @@ def _placement(op: Any, leaves: tuple[Any, ...], position: int, slot: Slot) -> s
     )
 
 
-def check(plan_: Plan, inputs: Inputs, new: dict[str, int | float]) -> str:
-    """'' when the backward, run with ``new``, does exactly what the template says
-    with those values; else what differs."""
+def check(plan_: Plan, inputs: Inputs, new: dict[str, int | float]) -> tuple[str, tuple[int | float, ...]]:
+    """('', the derived values) when the backward, run with ``new``, does exactly
+    what the template says with those values; else (what differs, ())."""
     ops, error = inputs.record(inputs.values(new))
     if error is not None:
-        return f"its backward raised ({exception_line(error)})"
+        return f"its backward raised ({exception_line(error)})", ()
     if len(ops) != len(plan_.template):
         at = next((i for i, (a, b) in enumerate(zip(ops, plan_.template)) if a[0] != b[0]), None)
         first = "" if at is None else f" (op {at} is {ops[at][0]}, not {plan_.template[at][0]})"
-        return f"it runs {len(ops)} ops instead of {len(plan_.template)}{first}"
+        return f"it runs {len(ops)} ops instead of {len(plan_.template)}{first}", ()
+    derived: list[int | float] = []
     for index, ((op, leaves), (t_op, t_leaves)) in enumerate(zip(ops, plan_.template)):
         if op != t_op or len(leaves) != len(t_leaves):
-            return f"op {index} is {op} instead of {t_op}"
+            return f"op {index} is {op} instead of {t_op}", ()
         for position, (leaf, expected) in enumerate(zip(leaves, t_leaves)):
+            if isinstance(expected, Derived):
+                if _number_kind(leaf, leaf) is not expected.kind:
+                    return f"argument {position - 1} of {op} is {leaf!r}, not a {expected.kind}", ()
+                derived.append(leaf)
+                continue
             if isinstance(expected, Slot):
                 value = new[expected.key]
                 expected = float(value) if expected.as_float else value
             if not same(leaf, expected):
-                return f"argument {position - 1} of {op} is {leaf!r}, not {expected!r}"
-    return ""
+                return f"argument {position - 1} of {op} is {leaf!r}, not {expected!r}", ()
+    return "", tuple(derived)
+
+
+class NodesOfOps(TorchDispatchMode):
+    """During the capture's trace of a node: the CA graph node each op it runs made
+    (None if none), in the order the template lists the ops, so a Derived argument
+    is found by its op and position, not by its value."""
+
+    def __init__(self, graph: torch.fx.Graph) -> None:
+        super().__init__()
+        self.graph = graph
+        self.nodes: list[torch.fx.Node | None] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        before = len(self.graph.nodes)
+        out = func(*args, **(kwargs or {}))
+        made = [n for _, n in zip(range(len(self.graph.nodes) - before), reversed(self.graph.nodes))]
+        self.nodes.append(next((n for n in made if n.op == "call_function" and n.target is func), None))
+        return out
+
+
+def rewrite_derived(
+    plan_: Plan,
+    nodes: Sequence[torch.fx.Node | None],
+    value_for: Callable[[Derived], torch.fx.Node],
+) -> None:
+    """Each Derived argument of the template, at its op's node (``nodes``, from
+    ``NodesOfOps``), becomes ``value_for(derived)``: an int the graph's symbolic
+    scalar, a double (an ``X.Scalar`` op's scalar, the op switched to ``X.Tensor``) a
+    0-dim float64 tensor."""
+    if len(nodes) != len(plan_.template):
+        raise RuntimeError(
+            f"ca_dynsaved: the capture traced {len(nodes)} ops where the sentinel traces ran "
+            f"{len(plan_.template)}; this node's computed values cannot be placed"
+        )
+    for op_index, position, kind in plan_.derived:
+        node = nodes[op_index]
+        derived = plan_.template[op_index][1][position]
+        if node is None:
+            raise RuntimeError(f"ca_dynsaved: op {op_index} of a traced node made no graph node")
+        value = value_for(derived)
+        if kind is opaque.FLOAT:  # placement: argument 1 of an X.Scalar op
+            node.target = REWRITES[node.target]
+            node.args = (node.args[0], value, *node.args[2:])
+        else:
+            node.args, node.kwargs = _replace_leaf(node.args, node.kwargs, position, value)
+
+
+def _replace_leaf(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, value: Any) -> tuple[Any, Any]:
+    """``args``/``kwargs`` with leaf ``position`` (as ``_flatten`` counts leaves after
+    the kwargs names) replaced by ``value``."""
+    count = [0]
+
+    def walk(v: Any) -> Any:
+        count[0] += 1
+        if isinstance(v, (list, tuple)) and not isinstance(v, torch.fx.Node):
+            return type(v)(walk(x) for x in v)
+        return value if count[0] == position else v
+
+    # leaf 0 is the kwargs names; a list is one leaf (its length) and then its items
+    new_args = tuple(walk(a) for a in args)
+    new_kwargs = {k: walk(v) for k, v in kwargs.items()}
+    return new_args, new_kwargs
 
 
 def rewrite(

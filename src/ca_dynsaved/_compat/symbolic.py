@@ -53,12 +53,28 @@ class SizeWatched(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        args, kwargs = pytree.tree_map_only(SizeWatched, _inner, (args, kwargs or {}))
-        return pytree.tree_map_only(torch.Tensor, SizeWatched, func(*args, **kwargs))
+        # By hand, not pytree: verify runs this for every op of a backward (ATen
+        # arguments nest only lists and tuples).
+        out = func(*map(_unwrapped, args), **{k: _unwrapped(v) for k, v in (kwargs or {}).items()})
+        return _wrapped(out)
 
 
-def _inner(t: SizeWatched) -> torch.Tensor:
-    return t.inner
+def _unwrapped(value: Any) -> Any:
+    kind = type(value)
+    if kind is SizeWatched:
+        return value.inner
+    if kind is list or kind is tuple:
+        return kind(map(_unwrapped, value))
+    return value
+
+
+def _wrapped(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return SizeWatched(value)
+    kind = type(value)
+    if kind is list or kind is tuple:
+        return kind(map(_wrapped, value))
+    return value
 
 
 def symbolic_probe_mode() -> tuple[Any, Any]:
