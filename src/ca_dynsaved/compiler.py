@@ -63,6 +63,22 @@ class _Deferred:
     saved: tuple[Any, ...] = ()  # Python: saved tensors
 
 
+def _unpacked_inputs_end(graph: torch.fx.Graph) -> torch.fx.Node:
+    """The last node of the graph's head: its placeholders and the items CA reads
+    from them at begin_capture (``inputs[i]``, ``sizes[i]``, ``scalars[i]``), which
+    CA's backends expect first, in that order."""
+    last = None
+    for node in graph.nodes:
+        head = node.op == "placeholder" or (
+            node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "placeholder"
+        )
+        if not head:
+            break
+        last = node
+    assert last is not None
+    return last
+
+
 class DynSavedCompilerInstance(StockCompilerInstance):
     """A CA capture that handles custom-function nodes as ``decision.py`` decides,
     with the user's ``options`` (``decision.Options``: exclude, python_policy,
@@ -332,9 +348,19 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         self._checks.append(check)
 
     def _packed_scalar_proxies(self) -> tuple[Any, Any]:
+        """The packed int64 and float64 tensors' nodes, read at the top of the graph:
+        there the scalars list dies, so it is never live across a graph break, where
+        Dynamo would rebuild it for the resume function with each number it does not
+        treat as dynamic (an opaque node's) as a constant, guarded (a recompile when
+        it changes; FSDP2's disabled hooks break every CA graph)."""
         if self._packed_proxies is None:
             n = len(self._scalar_kinds)
-            self._packed_proxies = (self.scalars_proxy[n], self.scalars_proxy[n + 1])
+            graph = self.fx_tracer.graph
+            with graph.inserting_after(_unpacked_inputs_end(graph)):
+                ints = self.scalars_proxy[n]
+            with graph.inserting_after(ints.node):
+                floats = self.scalars_proxy[n + 1]
+            self._packed_proxies = (ints, floats)
         return self._packed_proxies
 
     def create_graph_module(self, id: str) -> torch.fx.GraphModule:  # type: ignore[override]
