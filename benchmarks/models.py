@@ -18,6 +18,8 @@ The activation is ``y = gain * x * sigmoid(beta * x)``, negated when ``flip``, w
   ``toSymFloat()`` / ``toSymInt()``;
 * ``cpp_direct`` (elementwise model only): the same read with ``toDouble()`` /
   ``toInt()`` and used only as op arguments, opted in with ``trace_cpp``.
+* ``cpp_derived`` (elementwise model only): a ``toDouble()`` / ``toInt()`` reader
+  that computes a value from beta before use (``0.5 * beta``), not opted in.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ BUILD_DIR = Path(__file__).resolve().parent.parent / ".ext_build" / f"torch-{tor
 WIDTH, DEPTH, BATCH = 512, 4, 64
 VARIANTS = ("cpp", "python", "hashed")
 ROWS, COLS, LAYERS = 1024, 1024, 3
-ELEMENTWISE_VARIANTS = ("cpp", "cpp_sym", "cpp_direct", "python")
+ELEMENTWISE_VARIANTS = ("cpp", "cpp_sym", "cpp_direct", "cpp_derived", "python")
 #: What enable(trace_cpp=...) names for the cpp_direct variant.
 TRACE_CPP = ("DirectSchedAct",)
 
@@ -120,6 +122,22 @@ struct DirectSchedAct : public SigmoidGate<DirectSchedAct> {
 };
 
 at::Tensor direct_sched_act(at::Tensor x, double beta, int64_t gain) { return DirectSchedAct::apply(x, beta, gain); }
+// Computes a value from a saved number before using it (half of beta: sigmoid(z) =
+// (tanh(z / 2) + 1) / 2), as `2 * alpha` or `1 - p` do: the plugin lifts the
+// computed value from verify's run of each new beta (a derived value).
+struct DerivedSchedAct : public SigmoidGate<DerivedSchedAct> {
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    double beta = ctx->saved_data["beta"].toDouble();
+    int64_t gain = ctx->saved_data["gain"].toInt();
+    double half = 0.5 * beta;
+    auto x = ctx->get_saved_variables()[0];
+    auto gate = (at::tanh(x * half) + 1) * 0.5;
+    auto dgate = gate * beta * (1 - gate);
+    auto dx = (gate + x * dgate) * static_cast<double>(gain);
+    return {grad[0] * dx, at::Tensor(), at::Tensor()};
+  }
+};
+at::Tensor derived_sched_act(at::Tensor x, double beta, int64_t gain) { return DerivedSchedAct::apply(x, beta, gain); }
 
 // A nearly free backward with 4 lifted scalars, not traceable: under the plugin each
 // node runs opaque, so a chain of them times what an opaque node costs. ALIAS: the
@@ -159,7 +177,7 @@ at::Tensor tiny_alias_traceable(at::Tensor x, int64_t a, int64_t b, double s, do
 
 def build_extension() -> ModuleType:
     return load_cpp("ca_dynsaved_bench_ext", CPP_SOURCE, [
-        "sched_act", "sym_sched_act", "direct_sched_act", "tiny", "tiny_alias", "tiny_traceable",
+        "sched_act", "sym_sched_act", "direct_sched_act", "derived_sched_act", "tiny", "tiny_alias", "tiny_traceable",
         "tiny_alias_traceable",
     ], BUILD_DIR)
 
@@ -220,6 +238,8 @@ class Elementwise(torch.nn.Module):
                 x = self.ext.sym_sched_act(x, beta, gain)
             elif self.variant == "cpp_direct":
                 x = self.ext.direct_sched_act(x, beta, gain)
+            elif self.variant == "cpp_derived":
+                x = self.ext.derived_sched_act(x, beta, gain)
             else:
                 x = self.ext.sched_act(x, beta, gain, flip, mode)
         return x.square().mean()
