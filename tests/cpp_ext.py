@@ -303,6 +303,29 @@ struct DirectFn : public Function<DirectFn<MODE>> {
   }
 };
 
+// A mode (str, hashed) and alpha read with toDouble(), with a branch on alpha that
+// both sentinels take the same way: a later mode's own graph must verify each alpha.
+struct ModeFn : public Function<ModeFn> {
+  static constexpr bool is_traceable = true;
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor x, std::string mode, double alpha) {
+    ctx->saved_data["mode"] = mode;
+    ctx->saved_data["alpha"] = alpha;
+    ctx->save_for_backward({x});
+    return x * x * alpha;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const std::string& mode = ctx->saved_data["mode"].toStringRef();
+    double alpha = ctx->saved_data["alpha"].toDouble();
+    auto x = ctx->get_saved_variables()[0];
+    at::Tensor gx = alpha > 0.5 ? g[0] * x * alpha : g[0] * alpha;
+    if (mode == "neg") gx = -gx;
+    if (mode == "twice") gx = gx * 2.0;
+    return {gx, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor mode_fn(at::Tensor x, std::string mode, double alpha) { return ModeFn::apply(x, mode, alpha); }
+
 at::Tensor direct_fn(at::Tensor x, int64_t k, double alpha, double beta, int64_t mode) {
   switch (mode) {
     case 0: return DirectFn<0>::apply(x, k, alpha, beta);
@@ -398,6 +421,7 @@ FUNCTIONS = [
     "sym_branch_traceable",
     "sym_leaky_traceable",
     "direct_fn",
+    "mode_fn",
     "pass_traceable",
     "pass_opaque",
     "gather_traceable",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ca_dynsaved
-from ca_dynsaved import reuse
+from ca_dynsaved import decision, reuse
 from helpers import Counts, counts, leaf_grad_step, run_loop, stock_enable
 
 #: The every-release subset (README, "Supported torch releases").
@@ -123,25 +123,84 @@ def test_none_grad_that_depends_on_a_hashed_value(ext, variant):
         steps=8,
     )
     assert [r[0] is None for r in results] == [False, True] * 4
-    assert counts() == Counts(captures=2, compiles=2, graph_breaks=0)
+    # traceable: the later value (skip) runs opaque, uncompiled before its run 16
+    assert counts() == Counts(captures=2, compiles={"traceable": 1, "opaque": 2}[variant], graph_breaks=0)
 
 
 def test_first_capture_combinations_traced_later_ones_share(ext):
     """A traceable function with a saved number and a bool: the combination its first
     capture holds is traced (specialised on the bool, fused, as stock CA would); one
-    first met in a later capture runs opaque, so every such combination shares one
-    compiled graph instead of compiling one each."""
+    first met in a later capture runs opaque and uncompiled until it has shown it
+    repeats (test_repeating_combination_gets_its_own_graph)."""
     results = run_loop(
         leaf_grad_step(lambda x, i: ext.skip_traceable(x, i % 3 == 2, i)),
         lambda: ca_dynsaved.enable(backend="aot_eager"),
         steps=6,
     )
     assert [r[0] is None for r in results] == [False, False, True] * 2
-    assert counts() == Counts(captures=2, compiles=2, graph_breaks=0)
+    assert counts() == Counts(captures=2, compiles=1, graph_breaks=0)
     first, later = (capture.nodes[0] for capture in ca_dynsaved.report().captures)
     assert (first.handling, later.handling) == ("traced-dynamic", "opaque")
     assert first.reason.endswith("; each new value verified; its hashed values (skip) constants of this graph")
     assert later.reason.endswith(
         "; its hashed values are a combination first met after the function's first capture: "
-        "opaque, sharing compiled code with its other combinations"
+        "opaque and uncompiled until the capture's run 16, then its own traced graph"
+    )
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_repeating_combination_gets_its_own_graph(ext, backend, monkeypatch):
+    """A later combination that keeps coming back (skip=False after a first capture
+    with skip=True; k new every step): opaque (its shared compile) until its
+    capture's run SPECIALISE_AFTER_RUNS, which compiles its own graph with the node
+    traced and k dynamic, verified per new k. Every step equals eager."""
+    monkeypatch.setattr(decision, "SPECIALISE_AFTER_RUNS", 3)
+    step = leaf_grad_step(lambda x, i: ext.skip_traceable(x, i % 3 == 0, i + 2))
+    results = run_loop(step, lambda: ca_dynsaved.enable(backend=backend, fullgraph=True), steps=3)
+    assert [r[0] is None for r in results] == [True, False, False]
+    assert counts() == Counts(captures=2, compiles=0, graph_breaks=0)  # skip=False: opaque, eager
+    results = run_loop(step, lambda: ca_dynsaved.enable(backend=backend, fullgraph=True), steps=9)
+    assert counts() == Counts(captures=2, compiles=2, graph_breaks=0)  # its run 3: its own
+    first, later = ca_dynsaved.report().captures
+    assert (first.specialised, later.specialised) == (0, 3)
+    assert later.nodes[0].handling == "opaque" and later.nodes[0].reason.endswith(
+        ": opaque and uncompiled until the capture's run 3, then its own traced graph"
+    )
+    plugin = torch._dynamo.utils.counters["ca_dynsaved"]
+    assert (plugin["specialised_captures"], plugin["held_eager_runs"]) == (1, 2)
+    assert plugin["verify_fallbacks"] == 0
+
+
+def _mode_step(ext, modes, alphas):
+    return leaf_grad_step(lambda x, i: ext.mode_fn(x, modes[i % len(modes)], alphas(i)))
+
+
+def test_own_graph_hands_a_refused_value_to_the_opaque_one(ext, monkeypatch):
+    """alpha > 0.5 takes a branch neither sentinel took: in the later mode's own
+    graph verify refuses such a step, which then runs on the capture's opaque graph
+    (eagerly: no compile more); every step equals eager."""
+    monkeypatch.setattr(decision, "SPECIALISE_AFTER_RUNS", 3)
+    refused = {7, 11}  # odd: mode "neg", after its run 3 (step 5)
+    step = _mode_step(ext, ["plain", "neg"], lambda i: 0.75 if i in refused else 0.25 + 0.01 * i)
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=13)
+    assert counts() == Counts(captures=2, compiles=2, graph_breaks=0)
+    first, later = ca_dynsaved.report().captures
+    assert (first.specialised, later.specialised) == (0, 3)
+    assert [values["alpha"] for _, values, _ in later.refused] == [0.75, 0.75]
+    assert torch._dynamo.utils.counters["ca_dynsaved"]["verify_fallbacks"] == 2
+
+
+def test_own_graphs_are_capped_per_function(ext, monkeypatch):
+    """With MAX_SPECIALISED = 1, of two later modes only the first to reach its run
+    SPECIALISE_AFTER_RUNS gets a graph; the other's opaque graph is compiled then."""
+    monkeypatch.setattr(decision, "SPECIALISE_AFTER_RUNS", 2)
+    monkeypatch.setattr(decision, "MAX_SPECIALISED", 1)
+    run_loop(_mode_step(ext, ["plain", "neg", "twice"], lambda i: 0.25 + 0.01 * i), lambda: ca_dynsaved.enable(backend="aot_eager"), steps=9)
+    assert counts() == Counts(captures=3, compiles=3, graph_breaks=0)
+    assert [c.specialised for c in ca_dynsaved.report().captures] == [0, 2, 0]
+    # a mode first met at the cap: opaque from its capture, its graph compiled at run 2
+    run_loop(_mode_step(ext, ["other"], lambda i: 0.3), lambda: ca_dynsaved.enable(backend="aot_eager"), steps=2)
+    assert counts() == Counts(captures=4, compiles=4, graph_breaks=0)
+    assert ca_dynsaved.report().captures[-1].nodes[0].reason.endswith(
+        ": opaque, sharing compiled code with its other later combinations (the function has 1 with graphs of their own)"
     )

@@ -26,6 +26,8 @@ frame (DESIGN-NOTES pitfall 1).
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
 import logging
 import operator
 from dataclasses import dataclass
@@ -39,8 +41,8 @@ from ._compat.layout import CppCall
 from ._compat.runtime_wrapper import sizes_made_once
 from . import cpptrace, opaque, report, runtime, sentinel
 from .decision import (
-    OPAQUE, STOCK, CppTrace, Decision, Lifted, OpaqueCall, Options, PythonTrace, SentinelTrace,
-    decide_cpp, decide_python,
+    OPAQUE, STOCK, TRACED, CppTrace, Decision, Lifted, OpaqueCall, Options, PythonTrace, SentinelTrace,
+    Tiered, decide_cpp, decide_python,
 )
 
 _disable = torch.compiler.disable
@@ -61,6 +63,29 @@ class _Deferred:
     call: CppCall | None = None  # C++: its call arguments
     hook: int = -1  # Python: index of the ctx in CA's hooks
     saved: tuple[Any, ...] = ()  # Python: saved tensors
+    tier: Tiered | None = None  # a later combination's node: also traced
+
+
+@dataclass
+class _Tier:
+    """A later combination's node (``decision.Tiered``), traced and also emitted as
+    an opaque op: create_graph_module makes the capture's graph of each way."""
+
+    op: torch.fx.Node  # the opaque op
+    keep: torch.fx.Node  # its one user until then, so CA's dead-code pass keeps it
+    validated: list[torch.fx.Node | None]  # the traced outputs, as CA validated them
+    traced: list[torch.fx.Node]  # what its trace recorded (in-place ops included)
+    check: "runtime.Check | None"  # verify's, for the specialised graph only
+    function: tuple[str, tuple[str, ...]]  # (name, saved keys): COMBINATIONS' count
+
+
+def _keep(*args: Any) -> None:
+    """A user of a tiered node's opaque op during capture (never run: removed before
+    either graph is made)."""
+
+
+# Side-effectful to FX's dead-code pass, so CA's own pass keeps the op it holds.
+torch.fx.node.has_side_effect(_keep)
 
 
 def _unpacked_inputs_end(graph: torch.fx.Graph) -> torch.fx.Node:
@@ -77,6 +102,30 @@ def _unpacked_inputs_end(graph: torch.fx.Graph) -> torch.fx.Node:
         last = node
     assert last is not None
     return last
+
+
+def _after_inputs(graph: torch.fx.Graph) -> None:
+    """Reorder ``graph`` so every node follows its inputs, keeping the order
+    otherwise (of the nodes ready, the earliest first)."""
+    nodes = list(graph.nodes)
+    index = {node: i for i, node in enumerate(nodes)}
+    if all(index[i] < index[node] for node in nodes for i in node.all_input_nodes):
+        return
+    waiting = {node: len(node.all_input_nodes) for node in nodes}
+    ready = [index[node] for node in nodes if not waiting[node]]
+    heapq.heapify(ready)
+    placed: list[torch.fx.Node] = []
+    while ready:
+        node = nodes[heapq.heappop(ready)]
+        placed.append(node)
+        for user in node.users:
+            waiting[user] -= 1
+            if not waiting[user]:
+                heapq.heappush(ready, index[user])
+    assert len(placed) == len(nodes), "ca_dynsaved: a cycle in a capture's graph"
+    for before, node in zip(placed, placed[1:]):
+        if before.next is not node:
+            before.append(node)
 
 
 class DynSavedCompilerInstance(StockCompilerInstance):
@@ -112,6 +161,9 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         self._sentinel_regions: list[tuple[list[torch.fx.Node], dict[str, str], dict[str, Any]]] = []
         self._verifying: tuple[Any, ...] | None = None  # a verified node awaiting validate_outputs
         self._checks: list[runtime.Check] = []  # verify: one per verified node
+        self._tiers: list[_Tier] = []  # later combinations' nodes (decision.Tiered)
+        self._tier_pending: _Deferred | None = None  # one awaiting validate_outputs
+        self._specialised: torch.fx.GraphModule | None = None  # their traced graph
         self._derived = [0, 0]  # ints and doubles sentinel-traced nodes compute from their numbers
         return out
 
@@ -145,6 +197,8 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         decision, call = decide_cpp(
             args, fn, fn_name in self._traceable, self.options, self._lifted, undefined, self.id
         )
+        if isinstance(decision.plan, Tiered):
+            return self._trace_tiered(fn, grads, call, decision)  # type: ignore[arg-type]
         if decision.handling == OPAQUE:
             with no_proxy_modes():
                 dummies = [self.allocate_dummy() for _ in output_metadata]
@@ -186,6 +240,40 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         if plan.verify:
             self._verifying = (fn, grads, call, plan, region, slots)
         return outs
+
+    def _trace_tiered(self, fn: Callable[..., Any], grads: Any, call: CppCall, decision: Decision) -> list[Any]:
+        """A later combination: traced with sentinels as a first capture's (its graph
+        compiled only once it repeats), and its opaque op emitted beside the trace in
+        validate_outputs (``_emit_tier``)."""
+        tier: Tiered = decision.plan  # type: ignore[assignment]
+        outs = self._trace_sentinels(fn, grads, call, tier.traced)
+        opaque_ = dataclasses.replace(decision, plan=tier.opaque)
+        self._tier_pending = _Deferred(opaque_, list(grads), [], lambda: (), fn=fn, call=call, tier=tier)
+        return outs
+
+    def _emit_tier(self, outputs: Sequence[Any], meta: Any) -> None:
+        pending, self._tier_pending = self._tier_pending, None
+        assert pending is not None and pending.call is not None
+        tier = pending.tier
+        assert tier is not None
+        check = self._checks.pop() if tier.traced.verify else None
+        try:
+            proxy_out = self._emit_opaque(pending, meta)
+        except opaque.Unexpressible as e:
+            # No opaque op for it: the capture's graph is the traced one, as for a
+            # combination of the function's first capture.
+            traced_ = dataclasses.replace(
+                pending.decision, handling=TRACED, reason=f"traced with sentinels: {tier.traced.plan.reason} ({e})", plan=tier.traced
+            )
+            self._record(traced_)
+            if check is not None:
+                self._checks.append(check)
+            return
+        keep = self.fx_tracer.create_proxy("call_function", _keep, (proxy_out,), {})
+        validated = [None if o is None else self.to_proxy(o).node for o in outputs]
+        function = (pending.call.name, pending.call.keys)
+        traced = self._sentinel_regions[-1][0]
+        self._tiers.append(_Tier(proxy_out.node, keep.node, validated, traced, check, function))
 
     def _place_derived(self, plan: sentinel.Plan, nodes: list[Any]) -> tuple[tuple[tuple[int, int], ...], ...]:
         """The graph reads each value the node computes from its numbers (a
@@ -257,7 +345,10 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         if deferred is None:
             if self._verifying is not None:
                 self._add_check(outputs)
-            return super().validate_outputs(_, outputs, args, output_metadata)
+            out = super().validate_outputs(_, outputs, args, output_metadata)
+            if self._tier_pending is not None:
+                self._emit_tier(outputs, args[0])
+            return out
         expected = [d for d in deferred.dummies if d is not None]
         if len(outputs) != len(expected) or any(o is not d for o, d in zip(outputs, expected)):
             raise RuntimeError(
@@ -379,8 +470,53 @@ class DynSavedCompilerInstance(StockCompilerInstance):
                 cpptrace.float_getitems(self.scalars_proxy.node, floats),
                 lambda symnode: self._packed_value_node(symnode, False, selects),
             )
+        if self._tiers:
+            self._specialised = torch.fx.GraphModule(self.fx_tracer.root, self._specialised_graph(), f"{id}Specialised")
+            self._opaque_graph()
         self._graph_module = super().create_graph_module(id)
         return self._graph_module
+
+    def _specialised_graph(self) -> torch.fx.Graph:
+        """A copy of the capture's graph with its tiered nodes traced: their opaque
+        ops dropped."""
+        graph = torch.fx.Graph()
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+        graph.output(graph.graph_copy(self.fx_tracer.graph, env))
+        for tier in self._tiers:
+            graph.erase_node(env[tier.keep])
+            graph.erase_node(env[tier.op])
+        return graph
+
+    def _opaque_graph(self) -> None:
+        """The capture's graph, in place, with its tiered nodes opaque: each op's
+        outputs take the traced ones' users; the trace (whose in-place ops no
+        dead-code pass removes) and CA's validation of it go, then CA's dead-code
+        pass takes what only they read; a user that CA's reordering had pulled up
+        to right after a traced output moves after the op."""
+        graph = self.fx_tracer.graph
+        alive = set(graph.nodes)  # CA's dead-code pass may have erased some already
+
+        def erase(node: torch.fx.Node) -> None:
+            graph.erase_node(node)
+            alive.discard(node)
+
+        for tier in self._tiers:
+            erase(tier.keep)
+            after = tier.op
+            validation = set()
+            for i, validated in enumerate(tier.validated):
+                if validated not in alive:
+                    continue
+                with graph.inserting_after(after):
+                    after = graph.call_function(operator.getitem, (tier.op, i))
+                validated.replace_all_uses_with(after)
+                validation.add(validated.args[0])
+                erase(validated)
+            for node in [*validation, *reversed(tier.traced)]:
+                if node in alive and not node.users:
+                    erase(node)
+        self.dce()
+        _after_inputs(graph)
 
     def _packed_value_node(self, symnode: Any, as_float: bool, selects: dict[tuple[Any, bool], torch.fx.Node]) -> torch.fx.Node:
         """A 0-dim tensor node of the lifted scalar ``symnode``'s packed value (an int
@@ -417,8 +553,21 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         packer = None
         if self._packed_proxies is not None or self._opaque_reads_scalars:
             packer = runtime.Packer(self._scalar_kinds, tensors=self._packed_proxies is not None)
+        derived = (self._derived[0], self._derived[1])
+        common = (packer, self._nodes, self._capture, self.compiler_fn, tuple(self._dynamic_sources))
+        hold = runtime.Hold() if self._tiers else None
         wrapper = runtime.make_runtime_wrapper(
-            runtime_wrapper, self._graph_module, packer, self._nodes, self._capture,
-            self.compiler_fn, tuple(self._dynamic_sources), tuple(self._checks), (self._derived[0], self._derived[1]),
+            runtime_wrapper, self._graph_module, *common, tuple(self._checks), derived, hold=hold
         )
+        if self._tiers:
+            special = self._specialised
+            assert special is not None
+            special.meta.update(self._graph_module.meta)  # CA's locals to steal
+            checks = (*self._checks, *(t.check for t in self._tiers if t.check is not None))
+
+            def specialised(refused: Callable[..., Any]) -> Callable[..., Any]:
+                return runtime.make_runtime_wrapper(runtime_wrapper, special, *common, checks, derived, refused=refused)
+
+            functions = tuple(dict.fromkeys(t.function for t in self._tiers))  # each once
+            wrapper = runtime.tiered(wrapper, hold, specialised, special, self.compiler_fn, functions, self._capture)
         return wrapper, compiled_fn

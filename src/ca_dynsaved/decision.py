@@ -98,6 +98,18 @@ class SentinelTrace:
 
 
 @dataclass(frozen=True)
+class Tiered:
+    """A later combination of a C++ function's hashed values (``COMBINATIONS``): the
+    capture holds both ways to run the node, ``opaque`` (what runs first, sharing
+    compiled code with the function's other later combinations) and ``traced`` (its
+    own graph, compiled once the capture has run ``SPECIALISE_AFTER_RUNS`` times:
+    ``runtime.tiered``)."""
+
+    opaque: "OpaqueCall"
+    traced: SentinelTrace
+
+
+@dataclass(frozen=True)
 class PythonTrace:
     """Stock CA traces the Python backward; ``sources``: its ctx numbers as Dynamo
     names them (``L['hooks'][0].k``), dynamic from the first compile."""
@@ -117,7 +129,7 @@ class OpaqueCall:
     inputs: tuple[int, ...] = ()
 
 
-Plan = Union[CppTrace, SentinelTrace, PythonTrace, OpaqueCall, None]
+Plan = Union[CppTrace, SentinelTrace, Tiered, PythonTrace, OpaqueCall, None]
 
 
 @dataclass(frozen=True)
@@ -189,8 +201,9 @@ def decide_cpp(
         return _opaque_cpp(node, call, verdict.reason), call  # a saved value of no kind we take
     if not kinds:
         return _opaque_cpp(node, call, verdict.reason), call  # hashed values only: they share code
-    if hashed and not COMBINATIONS.specialised(call.name, call.keys, repr(tuple(hashed.values())), capture):
-        return _opaque_cpp(node, call, f"{verdict.reason}; {_LATER_COMBINATION}"), call
+    later = bool(hashed) and not COMBINATIONS.specialised(call.name, call.keys, repr(tuple(hashed.values())), capture)
+    if later and not COMBINATIONS.may_specialise(call.name, call.keys):
+        return _opaque_cpp(node, call, f"{verdict.reason}; {_LATER_COMBINATION}: {_capped()}"), call
     # A plain toInt()/toDouble() reader (or one with hashed values): traced with
     # sentinels if it passes its numbers only to ATen ops, each new value verified
     # unless the user opted it in and turned verify off (docs/cpp.md, "Why the
@@ -208,13 +221,31 @@ def decide_cpp(
     how = "opt-in (trace_cpp)" if optin else "traced with sentinels"
     constants = f"; its hashed values ({', '.join(hashed)}) constants of this graph" if hashed else ""
     trace = SentinelTrace(plan, inputs, scalars, verify, optin)
+    if later:
+        first = _opaque_cpp(node, call, f"{verdict.reason}; {_LATER_COMBINATION}: {_tiered()}")
+        return dataclasses.replace(first, plan=Tiered(first.plan, trace)), call  # type: ignore[arg-type]
     return dataclasses.replace(node, handling=TRACED, reason=f"{how}: {plan.reason}{checked}{constants}", plan=trace), call
 
 
-_LATER_COMBINATION = (
-    "its hashed values are a combination first met after the function's first capture: "
-    "opaque, sharing compiled code with its other combinations"
-)
+_LATER_COMBINATION = "its hashed values are a combination first met after the function's first capture"
+#: A later combination's capture runs opaque and uncompiled until its run number
+#: ``SPECIALISE_AFTER_RUNS``, which compiles its own graph, the node traced with these
+#: hashed values as constants (as stock CA compiles every combination at its first
+#: run): a value new every step never gets there and costs no compile; a combination
+#: that keeps coming back (a cycle, a schedule) has shown it repeats. At most
+#: ``MAX_SPECIALISED`` combinations a function get one; later ones then run opaque,
+#: sharing one compiled graph (docs/cpp.md, "Hashed values"; measured in benchmarks/:
+#: 1.2-1.7 s a compile against 0-8 ms an eager run over a compiled one).
+SPECIALISE_AFTER_RUNS = 16
+MAX_SPECIALISED = 8
+
+
+def _tiered() -> str:
+    return f"opaque and uncompiled until the capture's run {SPECIALISE_AFTER_RUNS}, then its own traced graph"
+
+
+def _capped() -> str:
+    return f"opaque, sharing compiled code with its other later combinations (the function has {MAX_SPECIALISED} with graphs of their own)"
 
 
 class _Combinations:
@@ -222,12 +253,14 @@ class _Combinations:
     graphs specialised on them. CA captures a graph per combination; the ones the
     function's *first* capture holds (a per-layer mode, a flag that never changes)
     are traced, fused, as stock CA would; a combination first met in a later
-    capture (values that cycle or keep changing) runs opaque, so all of those share
-    one compiled graph instead of compiling one each (docs/cpp.md, "Hashed values").
-    Per function name and saved keys; ``ca_dynsaved.reset()`` clears it."""
+    capture (values that cycle or keep changing) runs opaque and uncompiled until it
+    has repeated (``Tiered``), then gets its own graph, up to ``MAX_SPECIALISED`` a
+    function (``promoted`` counts them; docs/cpp.md, "Hashed values"). Per function
+    name and saved keys; ``ca_dynsaved.reset()`` clears it."""
 
     def __init__(self) -> None:
         self.first: dict[tuple[str, tuple[str, ...]], tuple[int, set[str]]] = {}
+        self.promoted: dict[tuple[str, tuple[str, ...]], int] = {}  # later combinations given a graph
 
     def specialised(self, name: str, keys: tuple[str, ...], combination: str, capture: int) -> bool:
         seen = self.first.setdefault((name, keys), (capture, set()))
@@ -235,8 +268,21 @@ class _Combinations:
             seen[1].add(combination)
         return combination in seen[1]
 
+    def may_specialise(self, name: str, keys: tuple[str, ...]) -> bool:
+        return self.promoted.get((name, keys), 0) < MAX_SPECIALISED
+
+    def promote(self, functions: Sequence[tuple[str, tuple[str, ...]]]) -> bool:
+        """Count one more specialised combination for each function, if all are under
+        the cap (one capture's tiered nodes are specialised together)."""
+        if not all(self.may_specialise(*f) for f in functions):
+            return False
+        for f in functions:
+            self.promoted[f] = self.promoted.get(f, 0) + 1
+        return True
+
     def clear(self) -> None:
         self.first.clear()
+        self.promoted.clear()
 
 
 COMBINATIONS = _Combinations()

@@ -165,6 +165,9 @@ class CaptureRecord:
     # Callbacks queued during its runs (queue_callback) that the plugin ran after
     # the graph; stock CA drops them (runtime.running_final_callbacks).
     final_callbacks: int = 0
+    # the run on which its later hashed combinations got their own traced graph
+    # (runtime.tiered), or 0
+    specialised: int = 0
     # runs observed and not yet seen by the report's keys (observe / _flush), and
     # the (hook index, ctx attribute) of each of their hook values
     _rows: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = field(default_factory=list, repr=False)
@@ -304,6 +307,7 @@ class Report:
                     "nodes": [_node_dict(n) for n in c.nodes],
                     "refused": [list(r) for r in c.refused],
                     "final_callbacks": c.final_callbacks,
+                    "specialised": c.specialised,
                 }
                 for c in self.captures
             ],

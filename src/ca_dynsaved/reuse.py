@@ -48,14 +48,36 @@ def compiler_tag(compiler_fn: Any) -> Any:
     return compiler_fn
 
 
+class _Ref:
+    """A node argument in a key: the index of the node it names."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"%{self.index}"
+
+
 def canonical_key(gm: torch.fx.GraphModule) -> str:
-    identities = []
+    """Each node's kind, target (by identity) and arguments (nodes by position,
+    constants by repr), in order: the graph's code without its node names, which
+    depend on what a capture traced and then removed (a later combination's graph
+    with its node opaque: ``compiler._opaque_graph``)."""
+    index: dict[torch.fx.Node, int] = {}
+    items = []
     for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method", "call_module"):
-            identities.append(id(node.target) if node.op == "call_function" else node.target)
+        index[node] = len(index)
+        if node.op == "call_function":
+            target: Any = id(node.target)
         elif node.op == "get_attr":
-            identities.append(id(getattr(gm, node.target)))
-    return hashlib.sha1(repr((gm.code, identities)).encode()).hexdigest()
+            target = id(getattr(gm, node.target))
+        else:
+            target = node.target  # a placeholder's name, a method's or module's
+        args = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _Ref(index[n]))  # type: ignore[arg-type,return-value]
+        items.append((node.op, target, args))
+    return hashlib.sha1(repr(items).encode()).hexdigest()
 
 
 def name_learned_outputs(gm: torch.fx.GraphModule, nodes: list[opaque.NodeCapture]) -> None:

@@ -43,6 +43,7 @@ from ._compat.dynamo import without_dynamo
 from ._compat.engine import collecting_final_callbacks
 from ._compat.layout import CppCall
 from . import binding, fuse, opaque, reuse, sentinel
+from . import decision
 from .report import CaptureRecord
 
 
@@ -267,6 +268,8 @@ def make_runtime_wrapper(
     dynamic_sources: Sequence[str] = (),
     checks: Sequence[Check] = (),
     derived: tuple[int, int] = (0, 0),
+    refused: Callable[..., Any] | None = None,
+    hold: "Hold | None" = None,
 ) -> Callable[..., Any]:
     """Wrap CA's runtime wrapper for a captured graph with opaque ops for ``nodes``;
     ``packer`` when C++ opaque ops or traced nodes read the lifted scalars;
@@ -274,19 +277,30 @@ def make_runtime_wrapper(
     ctx numbers), re-marked when the graph's code is regenerated; ``checks``: the
     verify checks of sentinel-traced nodes; ``derived``: how many ints and doubles
     those nodes compute from their numbers (``sentinel.Derived``), which the
-    checks give per step."""
+    checks give per step; ``refused``: what runs a step a check refuses (called
+    with the run's arguments after ``compiled_fn``), else a copy of the graph with
+    the refused nodes called directly (``fallback_graph``); ``hold``: while on,
+    the graph runs eagerly, uncompiled (``tiered``)."""
     compiled: list[Callable[..., Any]] = []  # set once every node has run
     # Only a Python opaque node runs under the caller's dispatch keys: read them then.
     python = any(node.fn is None for node in nodes)
     fallbacks: dict[tuple[int, ...], torch.fx.GraphModule] = {}  # by refused checks
 
+    def _refuse(reasons: dict[int, str], scalars: Sequence[Any]) -> None:
+        counters["ca_dynsaved"]["verify_fallbacks"] += 1
+        for i, reason in reasons.items():
+            record.refuse(checks[i].name, checks[i].named([scalars[j] for j in checks[i].indices]), reason)
+
     @without_dynamo
     def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
         start = time.perf_counter() if binding.TIMING else 0.0
+        reasons = {i: reason for i, check in enumerate(checks) if (reason := check.refusal(scalars))} if checks else {}
+        if reasons and refused is not None:
+            _refuse(reasons, scalars)
+            return refused(inputs, sizes, scalars, hooks, packed_inputs)
         record.observe(scalars, hooks)
         ints: Sequence[int] = ()
         floats: Sequence[float] = ()
-        reasons = {i: reason for i, check in enumerate(checks) if (reason := check.refusal(scalars))} if checks else {}
         if packer is not None:
             derived_ints, derived_floats = [0] * derived[0], [0.0] * derived[1]
             for check in checks:
@@ -294,13 +308,11 @@ def make_runtime_wrapper(
             ints, floats, scalars = packer(scalars, derived_ints, derived_floats)
         if checks:
             if reasons:
-                counters["ca_dynsaved"]["verify_fallbacks"] += 1
-                for i, reason in reasons.items():
-                    record.refuse(checks[i].name, checks[i].named([scalars[j] for j in checks[i].indices]), reason)
-                refused = tuple(reasons)
-                gm = fallbacks.get(refused)
+                _refuse(reasons, scalars)
+                which = tuple(reasons)
+                gm = fallbacks.get(which)
                 if gm is None:
-                    gm = fallbacks[refused] = fallback_graph(graph_module, [checks[i].fallback for i in refused])
+                    gm = fallbacks[which] = fallback_graph(graph_module, [checks[i].fallback for i in which])
                 runner = _Differentiable(gm).run_to_list if torch.is_grad_enabled() else gm
                 with binding.bound_run(hooks, nodes, ints, floats, python):
                     return runtime_wrapper(runner, inputs, sizes, scalars, hooks, packed_inputs)
@@ -315,7 +327,7 @@ def make_runtime_wrapper(
                 counters["ca_dynsaved"]["first_eager_runs"] += 1
                 fn = graph_module
             return runtime_wrapper(fn, inputs, sizes, scalars, hooks, packed_inputs)
-        if not compiled and all(node.defined is not None for node in nodes):
+        if not compiled and all(node.defined is not None for node in nodes) and not (hold and hold.on):
             reuse.name_learned_outputs(graph_module, nodes)
             fuse.chains(graph_module)  # new code: mark it again
             mark_dynamic_scalars(graph_module.forward.__code__, dynamic_sources)
@@ -328,12 +340,68 @@ def make_runtime_wrapper(
         elif compiled:
             fn = compiled[0]
         else:
-            counters["ca_dynsaved"]["first_eager_runs"] += 1
+            counters["ca_dynsaved"]["held_eager_runs" if hold and hold.on else "first_eager_runs"] += 1
             fn = graph_module
         if binding.TIMING:
             binding.TIMING[-1]["wrapper"] += time.perf_counter() - start
         with binding.bound_run(hooks, nodes, ints, floats, python):
             return runtime_wrapper(fn, inputs, sizes, scalars, hooks, packed_inputs)
+
+    return wrapper
+
+
+@dataclass
+class Hold:
+    """Keeps a graph uncompiled while ``on`` (its runs eager)."""
+
+    on: bool = True
+
+
+def tiered(
+    first: Callable[..., Any],
+    hold: Hold,
+    specialised: Callable[[Callable[..., Any]], Callable[..., Any]],
+    graph: torch.fx.GraphModule,
+    compiler_fn: Callable[..., Any],
+    functions: Sequence[tuple[str, tuple[str, ...]]],
+    record: CaptureRecord,
+) -> Callable[..., Any]:
+    """The runtime wrapper of a capture with later combinations' nodes
+    (``decision.Tiered``): ``first`` (its graph with them opaque), run eagerly while
+    ``hold`` is on, until the capture's run ``SPECIALISE_AFTER_RUNS``; then, if
+    ``COMBINATIONS`` lets ``functions`` have one more, ``graph`` (them traced)
+    compiled by ``compiler_fn`` and run by the wrapper ``specialised`` makes, which
+    hands a step whose values verify refuses back to ``first``; if not, ``first``
+    compiled (code shared with the functions' other combinations at their cap). So
+    a combination that repeats costs stock's one compile, one that does not come
+    back 16 times none; eager runs cost little against a compile (docs/cpp.md,
+    "Hashed values"). A backward with ``create_graph=True`` always takes ``first``,
+    whose eager run records the backward's history."""
+    runs = 0
+    chosen: list[Callable[..., Any]] = []
+    asked = False  # COMBINATIONS once: a function at its cap stays opaque here
+
+    @without_dynamo
+    def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
+        nonlocal runs, asked
+        grad = torch.is_grad_enabled()
+        if chosen and not grad:
+            return chosen[0](inputs, sizes, scalars, hooks, packed_inputs)
+        runs += 1
+        if not asked and not grad and runs >= decision.SPECIALISE_AFTER_RUNS:
+            asked = True
+            if not decision.COMBINATIONS.promote(functions):
+                hold.on = False  # at the cap: opaque for good, compiled
+                return first(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
+            own = compiler_fn(graph)
+            run = specialised(lambda *args: first(compiled_fn, *args))
+            chosen.append(lambda *args: run(own, *args))
+            record.specialised = runs
+            counters["ca_dynsaved"]["specialised_captures"] += 1
+            log.info("capture !%d: run %d: its own graph, later combinations traced (%s)",
+                     record.ca_id, runs, ", ".join(name for name, _ in functions))
+            return chosen[0](inputs, sizes, scalars, hooks, packed_inputs)
+        return first(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
 
     return wrapper
 

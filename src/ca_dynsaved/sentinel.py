@@ -41,7 +41,7 @@ import torch
 from ._compat.capture import counters
 from ._compat.dynamo import exception_line
 from ._compat.layout import CppCall
-from ._compat.symbolic import SizeWatched, TorchDispatchMode, outside_capture, size_hints
+from ._compat.symbolic import SizeWatched, TorchDispatchMode, outside_capture, run_watched, size_hints
 from . import opaque
 from .cpptrace import REWRITES
 
@@ -114,7 +114,7 @@ class _Recorder(TorchDispatchMode):
         leaves: list[Any] = [tuple(kwargs)]
         _flatten((*args, *kwargs.values()), leaves)
         self.ops.append((func, tuple(leaves)))
-        return func(*args, **kwargs)
+        return run_watched(func, args, kwargs)
 
 
 def _flatten(values: Sequence[Any], into: list[Any]) -> None:
