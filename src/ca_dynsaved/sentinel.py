@@ -34,14 +34,14 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from ._compat.capture import counters
 from ._compat.dynamo import exception_line
 from ._compat.layout import CppCall
-from ._compat.symbolic import SizeWatched, TorchDispatchMode, outside_capture, run_watched, size_hints
+from ._compat.symbolic import RecordingMode, SizeWatched, TorchDispatchMode, real_tensors_only, size_hints, watched
 from . import opaque
 from .cpptrace import REWRITES
 
@@ -102,35 +102,43 @@ class Plan:
         return [i for i, (*_, k) in enumerate(self.derived) if k is kind]
 
 
-class _Recorder(TorchDispatchMode):
-    """Records each op a backward runs with its argument leaves."""
+class _Recorder(RecordingMode):
+    """Records each op a backward runs with its argument leaves, and runs it on the
+    tensors SizeWatched wraps (one Python dispatch an op: verify runs this per op
+    of each new value's run)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[_Op] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        leaves: list[Any] = [tuple(kwargs)]
-        _flatten((*args, *kwargs.values()), leaves)
+        leaves: list[Any] = [tuple(kwargs) if kwargs else ()]
+        args = _leaves_of(args, leaves)
+        if kwargs:
+            kwargs = dict(zip(kwargs, _leaves_of(kwargs.values(), leaves)))
         self.ops.append((func, tuple(leaves)))
-        return run_watched(func, args, kwargs)
+        return watched(func(*args, **(kwargs or {})))
 
 
-def _flatten(values: Sequence[Any], into: list[Any]) -> None:
-    """An op's argument leaves (ATen arguments nest only lists and tuples); a
-    tensor as its shape and dtype. Cheaper than pytree: it runs on every op verify
-    traces."""
+def _leaves_of(values: Iterable[Any], into: list[Any]) -> list[Any]:
+    """``values`` unwrapped, their leaves appended to ``into`` in one walk (ATen
+    arguments nest only lists and tuples): a tensor as its shape and dtype, a list
+    or tuple as its length then its items. Cheaper than pytree."""
+    out = []
     for value in values:
-        if isinstance(value, torch.Tensor):
-            # a SizeWatched tensor's own shape would be one more Python dispatch
-            inner = getattr(value, "inner", value)
-            into.append(_Tensor(tuple(inner.shape), inner.dtype))
-        elif isinstance(value, (list, tuple)):
+        kind = type(value)
+        if kind is SizeWatched:
+            value = value.inner
+            into.append(_Tensor(tuple(value.shape), value.dtype))
+        elif kind is list or kind is tuple:
             into.append(len(value))  # the structure
-            _flatten(value, into)
+            value = kind(_leaves_of(value, into))
+        elif isinstance(value, torch.Tensor):
+            into.append(_Tensor(tuple(value.shape), value.dtype))
         else:
             into.append(value)
+        out.append(value)
+    return out
 
 
 def _small(sizes: Sequence[int]) -> list[int]:
@@ -186,7 +194,7 @@ class Inputs:
         most 2 elements a dimension: C++ kernels on a few elements cost a few
         microseconds an op, where fake or meta tensors' Python dispatch costs 100."""
         recorder = _Recorder()
-        with outside_capture(), torch.no_grad():
+        with real_tensors_only(), torch.no_grad():
             # Watched: a read of their sizes is an op of the recording (_metadata_read).
             saved = [SizeWatched(torch.zeros(s[0], dtype=s[1], device=s[2])) if isinstance(s, tuple) else s for s in self.saved]
             grads = [None if g is None else SizeWatched(torch.zeros(g[0], dtype=g[1], device=g[2])) for g in self.grads]
@@ -395,12 +403,15 @@ def check(plan_: Plan, inputs: Inputs, new: dict[str, int | float]) -> tuple[str
         if op != t_op or len(leaves) != len(t_leaves):
             return f"op {index} is {op} instead of {t_op}", ()
         for position, (leaf, expected) in enumerate(zip(leaves, t_leaves)):
-            if isinstance(expected, Derived):
+            if leaf is expected:  # the common case, an argument no saved number reaches
+                continue
+            kind = type(expected)
+            if kind is Derived:
                 if _number_kind(leaf, leaf) is not expected.kind:
                     return f"argument {position - 1} of {op} is {leaf!r}, not a {expected.kind}", ()
                 derived.append(leaf)
                 continue
-            if isinstance(expected, Slot):
+            if kind is Slot:
                 value = new[expected.key]
                 expected = float(value) if expected.as_float else value
             if not same(leaf, expected):

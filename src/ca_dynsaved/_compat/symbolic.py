@@ -28,6 +28,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 TorchDispatchMode = TorchDispatchMode
 
 
+class RecordingMode(TorchDispatchMode):
+    """A mode for verify's per-step recording, which runs outside any Dynamo frame
+    (the runtime wrapper, or a capture's eager probe): torch wraps a subclass's
+    ``__torch_dispatch__`` in a Dynamo-disabling frame unless the subclass declines,
+    a Python frame and four eval-frame swaps on every op verify records."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+def real_tensors_only() -> Any:
+    """``outside_capture()`` where a fake or proxy mode may be active (any mode on
+    torch's dispatch stack, as in a capture); nothing where none is (verify at run
+    time): the ExitStack costs about as much as recording three ops."""
+    return outside_capture() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
+
+
 class SizeWatched(torch.Tensor):
     """A real tensor whose size, stride and numel queries dispatch to Python: under a
     ``TorchDispatchMode`` they appear as ops (``aten.sym_size.default``,
@@ -61,7 +79,7 @@ def run_watched(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     dispatch, which a mode recording the ops calls itself, so an op costs one Python
     dispatch, not two. By hand, not pytree: verify runs this for every op of a
     backward (ATen arguments nest only lists and tuples)."""
-    return _wrapped(func(*map(_unwrapped, args), **{k: _unwrapped(v) for k, v in kwargs.items()}))
+    return watched(func(*map(_unwrapped, args), **{k: _unwrapped(v) for k, v in kwargs.items()}))
 
 
 def _unwrapped(value: Any) -> Any:
@@ -73,12 +91,13 @@ def _unwrapped(value: Any) -> Any:
     return value
 
 
-def _wrapped(value: Any) -> Any:
+def watched(value: Any) -> Any:
+    """An op's results as SizeWatched's dispatch returns them: each tensor wrapped."""
     if isinstance(value, torch.Tensor):
         return SizeWatched(value)
     kind = type(value)
     if kind is list or kind is tuple:
-        return kind(map(_wrapped, value))
+        return kind(map(watched, value))
     return value
 
 
