@@ -465,7 +465,7 @@ def rewrite_derived(
 
 
 def _replace_leaf(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, value: Any) -> tuple[Any, Any]:
-    """``args``/``kwargs`` with leaf ``position`` (as ``_flatten`` counts leaves after
+    """``args``/``kwargs`` with leaf ``position`` (as ``_leaves_of`` counts leaves after
     the kwargs names) replaced by ``value``."""
     count = [0]
 
