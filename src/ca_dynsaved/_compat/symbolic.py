@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.fx.experimental import symbolic_shapes as _symbolic_shapes
@@ -71,15 +71,10 @@ class SizeWatched(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        return run_watched(func, args, kwargs or {})
-
-
-def run_watched(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    """``func`` on the tensors SizeWatched wraps, its results wrapped: SizeWatched's
-    dispatch, which a mode recording the ops calls itself, so an op costs one Python
-    dispatch, not two. By hand, not pytree: verify runs this for every op of a
-    backward (ATen arguments nest only lists and tuples)."""
-    return watched(func(*map(_unwrapped, args), **{k: _unwrapped(v) for k, v in kwargs.items()}))
+        # By hand, not pytree (ATen arguments nest only lists and tuples). verify's
+        # recorder unwraps in its own walk (sentinel._leaves_of), so its ops never
+        # reach this second dispatch.
+        return watched(func(*map(_unwrapped, args), **{k: _unwrapped(v) for k, v in (kwargs or {}).items()}))
 
 
 def _unwrapped(value: Any) -> Any:
