@@ -81,7 +81,7 @@ def table(data: dict) -> str:
     lines = [
         f"Total: the first {first['steps']} steps from a fresh state, compiles included; steady: the smallest "
         f"of {first.get('passes', 3)} interleaved passes' median step (each pass runs every config of a variant "
-        "in turn, each from a fresh state warmed past its compiles), values still changing; backend "
+        "in turn, one config later than the last pass, each from a fresh state warmed past its compiles), values still changing; backend "
         f"{first['backend']}; torch {data['torch']}; {data['machine']}; {data['date']}. "
         "Ratios are against stock compiled autograd in the same run, with values that "
         "never change (stock_constant, the floor) and that change every step (stock_varying). "
