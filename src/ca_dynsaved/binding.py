@@ -40,6 +40,10 @@ class Run:
     # INT / FLOAT leaves index
     ints: Sequence[int] = ()
     floats: Sequence[float] = ()
+    # CA's packed_data of this run (checkpoint's holders) and the capture's
+    # checkpoint.Unpacks, which the unpack ops read
+    packed: Sequence[Any] = ()
+    unpacks: Any = None
 
 
 class bound_run:
@@ -58,8 +62,10 @@ class bound_run:
         ints: Sequence[int] = (),
         floats: Sequence[float] = (),
         keys: bool = False,
+        packed: Sequence[Any] = (),
+        unpacks: Any = None,
     ) -> None:
-        self._run = Run(hooks, nodes, autocast_state(), dispatch_keys() if keys else None, ints, floats)
+        self._run = Run(hooks, nodes, autocast_state(), dispatch_keys() if keys else None, ints, floats, packed, unpacks)
 
     def __enter__(self) -> None:
         self._prior = getattr(_local, "run", None)

@@ -39,7 +39,7 @@ from ._compat.capture import StockCompilerInstance, counters, grad_dtype, no_pro
 from ._compat.dynamic_state import mark_dynamic_scalars
 from ._compat.layout import CppCall
 from ._compat.runtime_wrapper import sizes_made_once
-from . import cpptrace, opaque, report, runtime, sentinel
+from . import checkpoint, cpptrace, opaque, report, runtime, sentinel
 from .decision import (
     OPAQUE, STOCK, TRACED, CppTrace, Decision, Lifted, OpaqueCall, Options, PythonTrace, SentinelTrace,
     Tiered, decide_cpp, decide_python,
@@ -165,6 +165,9 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         self._tier_pending: _Deferred | None = None  # one awaiting validate_outputs
         self._specialised: torch.fx.GraphModule | None = None  # their traced graph
         self._derived = [0, 0]  # ints and doubles sentinel-traced nodes compute from their numbers
+        # checkpointed saved tensors: (stock's call_hook node, hooks index, packed_data index)
+        self._unpack_calls: list[tuple[torch.fx.Node, int, int]] = []
+        self._unpacks: checkpoint.Unpacks | None = None
         return out
 
     @_disable
@@ -175,6 +178,15 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         # unsharded parameters fp32 gradients) refuses it. In the gradient's dtype.
         with no_proxy_modes():
             return torch.empty_like(x, dtype=grad_dtype(x))
+
+    @_disable
+    def unpack_hook(self, hook_id: int, data_id: int) -> torch.Tensor:  # type: ignore[override]
+        # Stock's call_hook node, which create_graph_module swaps for the unpack op
+        # (checkpoint.py) and keeps in the stock twin: which hook it is, CA tells only
+        # the run.
+        out = super().unpack_hook(hook_id, data_id)
+        self._unpack_calls.append((self.to_proxy(out).node, hook_id, data_id))
+        return out
 
     @_disable
     def bind_function(self, fn_name, fn, is_custom_function, is_traceable):  # type: ignore[no-untyped-def,override]
@@ -473,8 +485,47 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         if self._tiers:
             self._specialised = torch.fx.GraphModule(self.fx_tracer.root, self._specialised_graph(), f"{id}Specialised")
             self._opaque_graph()
+        if self._unpack_calls:
+            self._unpack_ops(id)
         self._graph_module = super().create_graph_module(id)
         return self._graph_module
+
+    def _unpack_ops(self, id: str) -> None:
+        """Keep a copy of the graph as stock made it (the stock twin, for a run whose
+        hooks are not all checkpoint's), then swap each checkpoint unpack's
+        ``call_hook`` for the unpack op, reading its ``like`` from the scalars list
+        after what the runtime wrapper puts there (the lifted scalars, then the packed
+        tensors and derived ints where there are): at the graph's head, as the packed
+        tensors (see _packed_scalar_proxies)."""
+        graph = self.fx_tracer.graph
+        twin = torch.fx.Graph()
+        twin.output(twin.graph_copy(graph, {}))
+        base = len(self._scalar_kinds)
+        if self._packed_proxies is not None:
+            base += 2 + self._derived[0]
+        head = _unpacked_inputs_end(graph)
+        slots = []
+        for node, hook, data in self._unpack_calls:
+            if node._erased or not node.users:  # CA's dead-code pass took it
+                continue
+            slot = len(slots)
+            slots.append((hook, data))
+            with graph.inserting_after(head):
+                like = graph.call_function(operator.getitem, (self.scalars_proxy.node, base + slot))
+            with graph.inserting_before(node):
+                op = graph.call_function(checkpoint.UNPACK_OP, (like, hook, data, slot))
+            op.meta.update(node.meta)
+            node.replace_all_uses_with(op)
+            inputs = node.all_input_nodes
+            graph.erase_node(node)
+            for read in inputs:  # hooks[i], packed_data[j]: Dynamo need not see them
+                if not read.users and read.op != "placeholder":
+                    graph.erase_node(read)
+        if slots:
+            _after_inputs(graph)
+            stock = torch.fx.GraphModule(self.fx_tracer.root, twin, f"{id}Stock")
+            self._unpacks = checkpoint.Unpacks(slots, stock)
+            self._capture.unpacks = len(slots)
 
     def _specialised_graph(self) -> torch.fx.Graph:
         """A copy of the capture's graph with its tiered nodes traced: their opaque
@@ -548,8 +599,10 @@ class DynSavedCompilerInstance(StockCompilerInstance):
             log.debug("capture !%d graph:\n%s", self.id, self._graph_module.code)
         # Before Dynamo's first compile of the graph, which its first call makes.
         mark_dynamic_scalars(self._graph_module.forward.__code__, self._dynamic_sources)
-        if not self._nodes and not self._capture.observes and not self._checks:
+        if not self._nodes and not self._capture.observes and not self._checks and self._unpacks is None:
             return runtime_wrapper, compiled_fn
+        if self._unpacks is not None:
+            self._unpacks.stock_twin.meta.update(self._graph_module.meta)  # CA's locals to steal
         packer = None
         if self._packed_proxies is not None or self._opaque_reads_scalars:
             packer = runtime.Packer(self._scalar_kinds, tensors=self._packed_proxies is not None)
@@ -557,7 +610,8 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         common = (packer, self._nodes, self._capture, self.compiler_fn, tuple(self._dynamic_sources))
         hold = runtime.Hold() if self._tiers else None
         wrapper = runtime.make_runtime_wrapper(
-            runtime_wrapper, self._graph_module, *common, tuple(self._checks), derived, hold=hold
+            runtime_wrapper, self._graph_module, *common, tuple(self._checks), derived, hold=hold,
+            unpacks=self._unpacks,
         )
         if self._tiers:
             special = self._specialised

@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import torch
 
 from ._compat.layout import CppCall, LayoutError, cpp_node_name, pytree
-from . import cpptrace, graphbreak, probe, pyctx, sentinel
+from . import checkpoint, cpptrace, graphbreak, probe, pyctx, sentinel
 from .opaque import FLOAT
 from .probe import is_number
 
@@ -335,6 +335,8 @@ def decide_python(
     stock = pyctx.stock_reason(ctx, policy, backward_state_idx, opaque_object_indices)
     if stock is not None:
         return dataclasses.replace(node, reason=stock)
+    if checkpoint.is_reentrant(ctx._forward_cls):
+        return dataclasses.replace(opaque, reason=checkpoint.REENTRANT_REASON)
     has_numbers = any(is_number(v) for v in vars(ctx).values())
     if has_numbers and policy == pyctx.OPAQUE:
         return opaque

@@ -168,6 +168,10 @@ class CaptureRecord:
     # the run on which its later hashed combinations got their own traced graph
     # (runtime.tiered), or 0
     specialised: int = 0
+    # checkpointed saved tensors its graph unpacks with the plugin's op (checkpoint.py),
+    # and why a run took the stock twin instead ("" if none did)
+    unpacks: int = 0
+    unpack_fallback: str = ""
     # runs observed and not yet seen by the report's keys (observe / _flush), and
     # the (hook index, ctx attribute) of each of their hook values
     _rows: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = field(default_factory=list, repr=False)

@@ -42,7 +42,7 @@ from ._compat.dynamic_state import mark_dynamic_scalars
 from ._compat.dynamo import without_dynamo
 from ._compat.engine import collecting_final_callbacks
 from ._compat.layout import CppCall
-from . import binding, fuse, opaque, reuse, sentinel
+from . import binding, checkpoint, fuse, opaque, reuse, sentinel
 from . import decision
 from .report import CaptureRecord
 
@@ -270,6 +270,7 @@ def make_runtime_wrapper(
     derived: tuple[int, int] = (0, 0),
     refused: Callable[..., Any] | None = None,
     hold: "Hold | None" = None,
+    unpacks: checkpoint.Unpacks | None = None,
 ) -> Callable[..., Any]:
     """Wrap CA's runtime wrapper for a captured graph with opaque ops for ``nodes``;
     ``packer`` when C++ opaque ops or traced nodes read the lifted scalars;
@@ -280,10 +281,14 @@ def make_runtime_wrapper(
     checks give per step; ``refused``: what runs a step a check refuses (called
     with the run's arguments after ``compiled_fn``), else a copy of the graph with
     the refused nodes called directly (``fallback_graph``); ``hold``: while on,
-    the graph runs eagerly, uncompiled (``tiered``)."""
+    the graph runs eagerly, uncompiled (``tiered``); ``unpacks``: the graph's
+    checkpoint unpacks, whose ``like`` tensors each run appends to the scalars
+    (a run that cannot describe them takes the stock twin), learned on the first
+    run, which is eager."""
     compiled: list[Callable[..., Any]] = []  # set once every node has run
-    # Only a Python opaque node runs under the caller's dispatch keys: read them then.
-    python = any(node.fn is None for node in nodes)
+    # Only a Python opaque node and a checkpoint unpack run under the caller's
+    # dispatch keys: read them then.
+    python = any(node.fn is None for node in nodes) or unpacks is not None
     fallbacks: dict[tuple[int, ...], torch.fx.GraphModule] = {}  # by refused checks
 
     def _refuse(reasons: dict[int, str], scalars: Sequence[Any]) -> None:
@@ -306,6 +311,13 @@ def make_runtime_wrapper(
             for check in checks:
                 check.place(derived_ints, derived_floats)
             ints, floats, scalars = packer(scalars, derived_ints, derived_floats)
+        if unpacks is not None:
+            likes = unpacks.likes(hooks, packed_inputs)
+            if isinstance(likes, str):
+                if not reasons:
+                    return _stock_twin(unpacks, likes, ints, floats, inputs, sizes, scalars, hooks, packed_inputs)
+                likes = [None] * len(unpacks.slots)  # the eager fallback below takes any hook
+            scalars = [*scalars, *likes]
         if checks:
             if reasons:
                 _refuse(reasons, scalars)
@@ -314,9 +326,9 @@ def make_runtime_wrapper(
                 if gm is None:
                     gm = fallbacks[which] = fallback_graph(graph_module, [checks[i].fallback for i in which])
                 runner = _Differentiable(gm).run_to_list if torch.is_grad_enabled() else gm
-                with binding.bound_run(hooks, nodes, ints, floats, python):
+                with binding.bound_run(hooks, nodes, ints, floats, python, packed_inputs, unpacks):
                     return runtime_wrapper(runner, inputs, sizes, scalars, hooks, packed_inputs)
-        if not nodes:  # nothing opaque: the graph as captured (traced C++ nodes may
+        if not nodes and unpacks is None:  # nothing opaque: the graph as captured (traced C++ nodes may
             # read the packed floats); with sentinel-traced nodes its first run is
             # eager, as a graph with opaque nodes runs it, so a capture used once (a
             # batch whose captures change) compiles nothing
@@ -327,7 +339,8 @@ def make_runtime_wrapper(
                 counters["ca_dynsaved"]["first_eager_runs"] += 1
                 fn = graph_module
             return runtime_wrapper(fn, inputs, sizes, scalars, hooks, packed_inputs)
-        if not compiled and all(node.defined is not None for node in nodes) and not (hold and hold.on):
+        learned = unpacks is None or unpacks.learned
+        if not compiled and learned and all(node.defined is not None for node in nodes) and not (hold and hold.on):
             reuse.name_learned_outputs(graph_module, nodes)
             fuse.chains(graph_module)  # new code: mark it again
             mark_dynamic_scalars(graph_module.forward.__code__, dynamic_sources)
@@ -344,6 +357,22 @@ def make_runtime_wrapper(
             fn = graph_module
         if binding.TIMING:
             binding.TIMING[-1]["wrapper"] += time.perf_counter() - start
+        with binding.bound_run(hooks, nodes, ints, floats, python, packed_inputs, unpacks):
+            out = runtime_wrapper(fn, inputs, sizes, scalars, hooks, packed_inputs)
+        if not learned:
+            unpacks.done_first_run()  # type: ignore[union-attr]
+        return out
+
+    def _stock_twin(unpacks: checkpoint.Unpacks, why: str, ints, floats, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
+        """A run whose unpack hooks the graph cannot take (a hook not checkpoint's, a
+        checkpoint without metadata): the capture as stock CA made it, compiled as
+        stock compiles it, its opaque ops bound as usual."""
+        if unpacks.fallback is None:
+            log.info("capture !%d: checkpoint unpacks run as stock: %s", record.ca_id, why)
+            record.unpack_fallback = why
+            unpacks.fallback = compiler_fn(unpacks.stock_twin)
+        counters["ca_dynsaved"]["unpack_stock_runs"] += 1
+        fn = _Differentiable(unpacks.stock_twin).run_to_list if torch.is_grad_enabled() else unpacks.fallback
         with binding.bound_run(hooks, nodes, ints, floats, python):
             return runtime_wrapper(fn, inputs, sizes, scalars, hooks, packed_inputs)
 
@@ -406,6 +435,9 @@ def tiered(
     return wrapper
 
 
+_RUNNERS = {**opaque.RUNNERS, checkpoint.UNPACK_OP: checkpoint.unpack_now}
+
+
 class _Differentiable(torch.fx.Interpreter):
     """Runs a CA graph calling the backwards directly, so autograd records them."""
 
@@ -414,7 +446,7 @@ class _Differentiable(torch.fx.Interpreter):
         return list(self.run(*args))
 
     def call_function(self, target, args, kwargs):  # type: ignore[no-untyped-def,override]
-        runner = opaque.RUNNERS.get(target)
+        runner = _RUNNERS.get(target)
         if runner is not None:
             return runner(*args, **kwargs)
         return super().call_function(target, args, kwargs)
