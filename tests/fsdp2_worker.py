@@ -20,13 +20,15 @@ class Case:
     path, with the plugin's flag or without), FSDP2's ``reshard`` after forward,
     ``accumulate`` micro-steps per optimizer step (gradient sync on the last
     only), ``mixed`` precision (bf16 parameters, fp32 reduction), torch 2.15's
-    ``manual`` backward finalization."""
+    ``manual`` backward finalization, ``checkpoint``: the first two blocks under
+    ``torch.utils.checkpoint`` ("reentrant" / "non-reentrant"; "" none)."""
 
     entry: str
     reshard: bool = True
     accumulate: int = 1
     mixed: bool = False
     manual: bool = False
+    checkpoint: str = ""
 
     @property
     def eager(self) -> "Case":
@@ -38,20 +40,35 @@ class Case:
 
 
 class _Model(torch.nn.Module):
-    def __init__(self, ext) -> None:
+    def __init__(self, ext, checkpoint: str = "") -> None:
         super().__init__()
         self.ext = ext
+        self.checkpoint = checkpoint
         self.a = torch.nn.Linear(8, 8)
         self.b = torch.nn.Linear(8, 8)
         self.c = torch.nn.Linear(8, 1)
 
     def forward(self, x: torch.Tensor, k: int, s: float) -> torch.Tensor:
-        from test_python_ctx import ScaleFn
-
-        h = self.ext.scale_traceable(self.a(x), k, 1, s, 0.05)
-        h = ScaleFn.apply(self.b(h), k + 1, s)
+        h = self._block(self._first, x, k, s)
+        h = self._block(self._second, h, k, s)
         h = self.ext.scale_opaque(h, k + 2, 2, s, 0.1)
         return self.c(h).float().square().mean()
+
+
+    def _first(self, x: torch.Tensor, k: int, s: float) -> torch.Tensor:
+        return self.ext.scale_traceable(self.a(x), k, 1, s, 0.05)
+
+    def _second(self, h: torch.Tensor, k: int, s: float) -> torch.Tensor:
+        from test_python_ctx import ScaleFn
+
+        return ScaleFn.apply(self.b(h), k + 1, s)
+
+    def _block(self, fn, h: torch.Tensor, k: int, s: float) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        if not self.checkpoint:
+            return fn(h, k, s)
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(fn, h, k, s, use_reentrant=self.checkpoint == "reentrant")
 
 
 def _full(t: torch.Tensor) -> list:
@@ -74,7 +91,7 @@ def train(rank: int, case: Case) -> dict:
     counters.clear()
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = _Model(cpp_ext.load())
+    model = _Model(cpp_ext.load(), case.checkpoint)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.mixed else MixedPrecisionPolicy()
     for module in (model.a, model.b, model.c, model):
         fully_shard(module, reshard_after_forward=case.reshard, mp_policy=mp)
