@@ -11,6 +11,7 @@ asserts stock's counts beside the plugin's, per release.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any, Callable
 
 import pytest
@@ -19,7 +20,7 @@ import torch.utils.checkpoint as cp
 from torch._dynamo.utils import counters
 
 import ca_dynsaved
-from ca_dynsaved import checkpoint
+from ca_dynsaved import checkpoint, decision
 from ca_dynsaved.binding import bound_run
 from helpers import Counts, assert_grads_equal, counts, entry_point, frame_breaks, stock_enable, this_release
 
@@ -141,7 +142,9 @@ def plugin(loss: torch.Tensor) -> None:
 
 
 #: (CA captures, unique graphs, graph breaks) of stock CA, 6 steps, aot_eager: a break
-#: at each unpack (non-reentrant) or CheckpointFunction (reentrant), 3 blocks.
+#: at each unpack (non-reentrant) or CheckpointFunction (reentrant), 3 blocks. The
+#: same on every release (measured on 2.11 to 2.15).
+RELEASES = ("2.11", "2.12", "2.13", "2.14", "2.15")
 STOCK = {
     "none": Counts(1, 2, 0),
     "non-reentrant": Counts(1, 13, 15),
@@ -154,13 +157,20 @@ STOCK = {
 }
 
 
-@pytest.mark.every_release
-@pytest.mark.parametrize("kind", [k for k in KINDS if k != "no metadata"])
+#: The kinds CI runs on every release: the unpack op's path and the reentrant one
+#: (the other non-reentrant kinds take the same path; the whole suite runs them).
+EVERY_RELEASE = ("non-reentrant", "reentrant")
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [pytest.param(k, marks=pytest.mark.every_release) if k in EVERY_RELEASE else k for k in KINDS if k != "no metadata"],
+)
 def test_checkpointed_blocks_compile_once_without_a_break(kind: str) -> None:
     """One capture, one compile, no break, for every way of checkpointing; stock's
     baseline beside it; each step's gradients and recomputations as eager's."""
     model = Blocks(kind)
-    assert train(model, stock) == this_release({r: STOCK[kind] for r in ("2.13",)})
+    assert train(model, stock) == this_release(dict.fromkeys(RELEASES, STOCK[kind]))
     assert train(model, plugin) == Counts(1, 1, 0)
     report = ca_dynsaved.report()
     (capture,) = report.captures
@@ -187,11 +197,12 @@ def test_batch_size_new_every_step(kind: str) -> None:
     assert train(Blocks(kind, vary_batch=True), plugin) == Counts(1, 2, 0)
 
 
+@pytest.mark.every_release
 def test_checkpoint_without_metadata_runs_as_stock() -> None:
     """``determinism_check="none"`` records no shape of the saved tensors: every run
     takes the capture's stock twin, with stock's counts and eager's gradients."""
     model = Blocks("no metadata")
-    assert train(model, plugin) == this_release({r: STOCK["no metadata"] for r in ("2.13",)})
+    assert train(model, plugin) == this_release(dict.fromkeys(RELEASES, STOCK["no metadata"]))
     (capture,) = ca_dynsaved.report().captures
     assert "determinism_check='none'" in capture.unpack_fallback
     assert counters["ca_dynsaved"]["unpack_stock_runs"] == STEPS
@@ -216,6 +227,7 @@ def _bound(hook: Callable[[Any], torch.Tensor]) -> Any:
     return bound_run([hook], [], packed=[None], unpacks=unpacks, keys=True)
 
 
+@pytest.mark.every_release
 def test_unpack_refuses_a_tensor_unlike_its_description() -> None:
     """The op's check: a hook that returns another shape than the frame recorded
     (what checkpoint's own check excludes) is a clear error, never a wrong-shaped
@@ -225,6 +237,7 @@ def test_unpack_refuses_a_tensor_unlike_its_description() -> None:
         checkpoint.unpack_now(like, 0, 0, 0)
 
 
+@pytest.mark.every_release
 def test_unpack_copies_what_it_does_not_own() -> None:
     """A tensor whose storage another tensor shares comes back as a copy with the
     declared strides; one it owns, as it is."""
@@ -237,3 +250,112 @@ def test_unpack_copies_what_it_does_not_own() -> None:
     with _bound(lambda _: torch.ones(4, 8)):
         owned = checkpoint.unpack_now(torch.empty_strided((0, 4, 8), (1, 8, 1)), 0, 0, 0)
     assert owned.stride() == (8, 1) and bool((owned == 1).all())
+
+
+class SumOver(torch.autograd.Function):
+    """Saves its input and a dim: the probe's stand-in dim (7) is out of range for
+    the saved tensor, and inside a checkpoint the capture has CA's placeholder for
+    it; both runs fail in fake tensor mode, which logs each failure at ERROR."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
+        ctx.dim = dim
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (x,) = ctx.saved_tensors
+        return grad * 2 + x.sum(ctx.dim, keepdim=True) * 0, None
+
+
+@pytest.fixture
+def torch_records() -> Any:
+    """Every record torch's loggers make (they do not propagate: a handler on each)."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append  # type: ignore[method-assign]
+    loggers = [
+        logging.getLogger(name) for name, log in list(logging.Logger.manager.loggerDict.items())
+        if isinstance(log, logging.Logger) and (name == "torch" or name.startswith("torch."))
+    ]
+    for log in loggers:
+        log.addHandler(handler)
+    yield records
+    for log in loggers:
+        log.removeHandler(handler)
+
+
+@pytest.mark.every_release
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_probes_never_log_into_the_users_log(checkpointed: bool, torch_records: Any, caplog: Any, capfd: Any) -> None:
+    """A probe that fails on its stand-ins (a dim of 7 on a 4-d tensor; inside a
+    checkpoint, CA's placeholder for the unpacked tensor) puts no WARNING or ERROR
+    line of torch's loggers in the user's log: what torch said goes to the plugin's
+    log at DEBUG. The same failure outside a probe does log at ERROR (the check can
+    fail)."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="ca_dynsaved")
+    lin = torch.nn.Linear(5, 5)
+
+    def step(i: int) -> list[Any]:
+        x = torch.randn(2, 3, 4, 5, generator=torch.Generator().manual_seed(i)).requires_grad_()
+        block = lambda h: SumOver.apply(torch.tanh(lin(h)), i % 4)  # noqa: E731
+        out = cp.checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)
+        out.sum().backward()
+        return [lin.weight.grad, lin.bias.grad, x.grad]
+
+    for i in range(3):
+        lin.zero_grad(set_to_none=True)
+        with ca_dynsaved.enable(backend="aot_eager"):
+            got = step(i)
+        lin.zero_grad(set_to_none=True)
+        assert_grads_equal(got, step(i))
+    assert [r for r in torch_records if r.levelno >= logging.WARNING] == []
+    # torch's stderr handler: no ERROR line ("E1204 18:06:16.675000 ... fake_tensor.py")
+    assert not re.search(r"^E\d{4} ", capfd.readouterr().err, re.MULTILINE)
+    (node,) = ca_dynsaved.report().nodes
+    assert node.handling == "opaque"
+    if checkpointed:
+        assert node.reason == decision.UNPACKED_AT_RUN_TIME
+    else:
+        assert node.reason == "ctx.dim needs its value (guard Eq(ctx.dim, 0))"
+    assert any("a probe made torch log at ERROR" in r.getMessage() for r in caplog.records if r.name == "ca_dynsaved") != checkpointed
+    # The control: the same failure outside a probe reaches torch's log at ERROR.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), pytest.raises(IndexError):
+        torch.empty(2, 3, 4, 5).sum(7)
+    assert any(r.levelno == logging.ERROR for r in torch_records)
+
+
+@pytest.mark.every_release
+def test_cpp_function_inside_a_checkpoint(ext: Any) -> None:
+    """A C++ toInt()/toDouble() reader inside a checkpointed region: its saved tensor
+    is CA's placeholder at capture, so it runs opaque (no probe on the placeholder),
+    one compile and no break where stock breaks at the unpack and recompiles per
+    value; eager's gradients every step."""
+    lin = torch.nn.Linear(8, 8)
+
+    def step(i: int) -> list[Any]:
+        lin.zero_grad(set_to_none=True)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i)).requires_grad_()
+        block = lambda h: ext.scale_traceable(torch.tanh(lin(h)), i, 1, 1.0 + i / 10, 0.05)  # noqa: E731
+        cp.checkpoint(block, x, use_reentrant=False).sum().backward()
+        return [lin.weight.grad, lin.bias.grad, x.grad]
+
+    found = {}
+    for name, backward in (("stock", lambda: stock_enable("aot_eager")), ("plugin", lambda: ca_dynsaved.enable(backend="aot_eager"))):
+        ca_dynsaved.reset()
+        counters.clear()
+        for i in range(STEPS):
+            with backward():
+                got = step(i)
+            assert_grads_equal(got, step(i))
+        found[name] = counts()
+    assert found == {"stock": this_release(dict.fromkeys(RELEASES, Counts(1, 10, 10))), "plugin": Counts(1, 1, 0)}
+    (node,) = ca_dynsaved.report().nodes
+    assert (node.handling, node.reason) == ("opaque", decision.UNPACKED_AT_RUN_TIME)

@@ -39,6 +39,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 
 import torch
 
+from ._compat.capture import is_unpack_placeholder
 from ._compat.layout import CppCall, LayoutError, cpp_node_name, pytree
 from . import checkpoint, cpptrace, graphbreak, probe, pyctx, sentinel
 from .opaque import FLOAT
@@ -186,6 +187,8 @@ def decide_cpp(
         return _opaque_cpp(node, call, "not is_traceable: its backward is not traced"), call
     if policy == OPAQUE:
         return _opaque_cpp(node, call, "cpp_policy='opaque'"), call
+    if any(map(is_unpack_placeholder, call.saved)):
+        return _opaque_cpp(node, call, UNPACKED_AT_RUN_TIME), call
     # the lifted numbers, in the call's order: index among all lifted scalars, kind
     scalars = tuple(index for *_, index in node.saved if index is not None)
     kinds = {key: kind for key, kind, _, index in node.saved if index is not None}
@@ -340,11 +343,16 @@ def decide_python(
     has_numbers = any(is_number(v) for v in vars(ctx).values())
     if has_numbers and policy == pyctx.OPAQUE:
         return opaque
+    # A saved tensor a hook unpacks at run time (a checkpointed region's) is a
+    # placeholder here: neither probe can run the backward on it.
+    unpacked = any(map(is_unpack_placeholder, saved))
+    if has_numbers and unpacked:
+        return dataclasses.replace(opaque, reason=UNPACKED_AT_RUN_TIME)
     if has_numbers:
         verdict = probe.verdict(ctx, saved, tensor_inputs)
         if not verdict.traced:
             return dataclasses.replace(opaque, reason=verdict.reason)
-    breaks = graphbreak.break_reason(ctx, saved)
+    breaks = None if unpacked else graphbreak.break_reason(ctx, saved)  # unpacked: as stock
     if breaks is not None:
         return dataclasses.replace(opaque, reason=breaks)
     if has_numbers:
@@ -355,6 +363,14 @@ def decide_python(
         reason="no int or float ctx attribute, and Dynamo traces its backward "
         "(bools, strs and tensors keep stock tracing)",
     )
+
+
+#: Why a C++ function, or a Python one with ctx numbers, whose saved tensors a hook
+#: unpacks runs opaque.
+UNPACKED_AT_RUN_TIME = (
+    "its saved tensors are unpacked by a saved-tensor hook (activation checkpointing) when the "
+    "backward runs, so the capture has no shapes to probe it with (one compile, whatever its numbers)"
+)
 
 
 def _is_symbolic(value: Any) -> bool:

@@ -53,6 +53,7 @@ def break_reason(ctx: Any, saved: Sequence[Any]) -> str | None:
     return _CACHE[key]
 
 
+@probe.quietly  # Dynamo tracing a backward alone may log a failure at WARNING or ERROR
 def _trace(ctx: Any, saved: Sequence[Any]) -> str | None:
     with outside_capture():
         try:

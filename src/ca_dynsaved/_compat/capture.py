@@ -4,8 +4,9 @@ Touches: ``torch._dynamo.compiled_autograd`` (``AutogradCompilerInstance``, ``_e
 ``_disable``, ``ops``, ``disable_proxy_modes_tracing``, ``active_disable_ctx``), its C++ half
 ``torch._C._dynamo.compiled_autograd`` (the cache), ``torch._dynamo.external_utils.
 call_backward``, ``torch._dynamo.utils.counters``, ``Tensor.grad_dtype``,
-``torch._C._is_alias_of``. Releases: the same on 2.11 to 2.15 (``grad_dtype``: set by
-2.15's FSDP2 mixed precision, None elsewhere).
+``torch._C._is_alias_of``, ``allocate_dummy`` (an unpacked tensor's stand-in). Releases:
+the same on 2.11 to 2.15 (``grad_dtype``: set by 2.15's FSDP2 mixed precision, None
+elsewhere).
 """
 
 from __future__ import annotations
@@ -75,6 +76,18 @@ def is_torch_own_function(cls: type) -> bool:
     one a custom op's ``register_autograd`` generated around the user's backward."""
     module = cls.__module__
     return module.partition(".")[0] == "torch" and module != _GENERATED_AUTOGRAD_MODULE
+
+
+#: The shape of what stock CA's capture hands on for a tensor a saved-tensor hook
+#: unpacks (``allocate_dummy``: "a weird quantity, easy to grep"): the hook runs only
+#: when the graph runs, so a capture knows nothing of that tensor.
+_UNPACK_PLACEHOLDER_SHAPE = StockCompilerInstance.allocate_dummy(None).shape
+
+
+def is_unpack_placeholder(t: Any) -> bool:
+    """``t`` is the capture's stand-in for a tensor a hook unpacks at run time (a
+    checkpointed activation), not a tensor of the backward's real shape."""
+    return isinstance(t, torch.Tensor) and t.shape == _UNPACK_PLACEHOLDER_SHAPE
 
 
 #: Torch's event counters (``counters["ca_dynsaved"]`` holds the plugin's own).

@@ -3,16 +3,21 @@
 Touches: ``torch.utils._config_module`` (``_Config``, ``_ConfigEntry``, the module's
 ``_config``, ``_compile_ignored_keys`` and its cached hash), ``torch._logging._internal``
 (``register_log``, ``_init_logs``), ``torch._dynamo.eval_frame.OptimizeContext``,
-``torch._dynamo.config.specialize_float``, ``torch._inductor.config.triton.cudagraphs``.
-Releases: ``_ConfigEntry`` takes the entry's name on 2.12+, not on 2.11; the cached
+``torch._dynamo.config.specialize_float``, ``torch._inductor.config.triton.cudagraphs``,
+and torch's loggers (``torch`` and below: non-propagating, each with its own stderr
+handler, so a filter must sit on the logger that makes a record). Releases:
+``_ConfigEntry`` takes the entry's name on 2.12+, not on 2.11; the cached
 hash lives in two ContextVars on 2.13+, in two module attributes on 2.11 / 2.12.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 import os
-from typing import Any
+import threading
+from typing import Any, Iterator
 
 import torch
 
@@ -72,3 +77,48 @@ def dynamo_specializes_floats() -> bool:
     """Whether Dynamo specialises every float it reads (it does while inductor's
     global CUDA-graphs flag is on, or when asked to), whatever automatic dynamic says."""
     return bool(torch._dynamo.config.specialize_float or torch._inductor.config.triton.cudagraphs)
+
+
+#: torch's loggers, refreshed when the logging manager has registered new ones.
+_torch_loggers: tuple[int, list[logging.Logger]] = (-1, [])
+
+
+def _loggers_of_torch() -> list[logging.Logger]:
+    global _torch_loggers
+    known = logging.Logger.manager.loggerDict
+    if _torch_loggers[0] != len(known):
+        found = [
+            log for name, log in list(known.items())
+            if isinstance(log, logging.Logger) and (name == "torch" or name.startswith("torch."))
+        ]
+        _torch_loggers = (len(known), found)
+    return _torch_loggers[1]
+
+
+@contextlib.contextmanager
+def torch_warnings_to(log: logging.Logger) -> Iterator[None]:
+    """While on, a WARNING or ERROR record a torch logger makes in this thread goes to
+    ``log`` at DEBUG instead of the user's log. The probes run a backward on stand-in
+    values (a symbolic dim that may be out of range) and expect some runs to fail:
+    fake tensor mode logs each such failure with its traceback at ERROR before
+    raising, which would read as torch's error in the user's log. Other threads'
+    records pass untouched."""
+    thread = threading.get_ident()
+
+    def demote(record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING or threading.get_ident() != thread:
+            return True
+        if log.isEnabledFor(logging.DEBUG):
+            error = record.exc_info[1] if record.exc_info else None
+            tail = f" ({type(error).__name__}: {error})" if error is not None else ""
+            log.debug("a probe made torch log at %s (%s): %s%s", record.levelname, record.name, record.getMessage(), tail)
+        return False
+
+    loggers = _loggers_of_torch()
+    for logger in loggers:
+        logger.addFilter(demote)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(demote)
