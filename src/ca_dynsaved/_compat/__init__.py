@@ -18,7 +18,9 @@ they differ on:
 * ``runtime_wrapper``: the plugin's copy of stock CA's per-graph runtime wrapper;
 * ``engine``: the autograd engine swap (final callbacks, the payoff gate), the
   caller's dispatch keys and autocast state;
-* ``config``: the config entries on ``torch._dynamo.config``, the log.
+* ``config``: the config entries on ``torch._dynamo.config``, the log;
+* ``checkpoint``: ``torch.utils.checkpoint``'s unpack hook, frame and reentrant
+  function (activation checkpointing in one CA graph).
 
 Callers import what they use from the module that holds it (``from ._compat.layout
 import CppCall``), so each import line says which torch subsystem a module leans on;

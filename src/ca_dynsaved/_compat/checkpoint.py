@@ -29,13 +29,14 @@ import torch.utils.checkpoint as _cp
 
 #: The code objects of the non-reentrant checkpoint's unpack hooks (with and
 #: without ``debug=True``'s error callback): a hook is one of these closures.
+#: A release without them finds none: every run then takes the stock twin.
 _UNPACK_CODES = frozenset(
     c
-    for c in _cp._checkpoint_hook.__init__.__code__.co_consts
+    for c in getattr(getattr(_cp, "_checkpoint_hook", None), "__init__", _cp.checkpoint).__code__.co_consts
     if isinstance(c, types.CodeType) and c.co_name in ("unpack_hook", "unpack_hook_with_error_cb")
 )
 _FRAME_CELL = {code: code.co_freevars.index("frame") for code in _UNPACK_CODES if "frame" in code.co_freevars}
-_DEFAULT_METADATA = _cp._default_meta_extractor
+_DEFAULT_METADATA = getattr(_cp, "_default_meta_extractor", None)
 
 #: torch's reentrant checkpoint (``use_reentrant=True``): a Python autograd.Function
 #: whose backward recomputes and runs a nested backward; Dynamo skips it.
@@ -68,7 +69,11 @@ def saved_metadata(frame: Any, index: int) -> tuple[torch.Size, torch.dtype, tor
     recorded none (``determinism_check="none"``) or checks none
     (``ignore_saved_mismatch``, set by selective checkpointing's
     ``allow_cache_entry_mutation``)."""
-    if frame.metadata_fn is not _DEFAULT_METADATA or frame.ignore_saved_mismatch:
+    if (
+        _DEFAULT_METADATA is None
+        or frame.metadata_fn is not _DEFAULT_METADATA
+        or getattr(frame, "ignore_saved_mismatch", True)
+    ):
         return None
     meta = frame.x_metadatas[index]
     return meta["shape"], meta["dtype"], meta["device"]
