@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from helpers import Counts, this_release
-from loops import compare, node
+from loops import assert_steps_equal, compare, node, train
 from torchdiffeq import odeint_adjoint
 
 #: A real library's training runs: the quick loop (docs/contributing.md) leaves them out.
@@ -38,7 +38,11 @@ class _Dynamics(torch.nn.Module):
         return torch.tanh(self.lin(y))
 
 
-#: schedule -> stock counts, per release (measured)
+#: schedule -> stock counts, per release (measured). Stock's runs are this test's
+#: expensive part (2.15's stock CA compiles the annealed schedule 48 times, about
+#: 70 s): they run, and are asserted, on the release the whole suite runs on (2.13,
+#: the CPU wheel); elsewhere the measured figures stay below and the plugin runs alone.
+STOCK_RELEASE = "2.13"
 STOCK = {
     "constant": {
         "2.11": Counts(1, 56, 25), "2.12": Counts(1, 57, 27), "2.13": Counts(1, 57, 27),
@@ -66,8 +70,15 @@ def test_neural_ode_adjoint(schedule: str) -> None:
         )
         return (y[-1] ** 2).sum()
 
-    found = compare(step, list(dynamics.parameters()), STEPS)
-    assert found["stock"] == this_release(STOCK[schedule])
+    params = list(dynamics.parameters())
+    if torch.__version__.startswith(STOCK_RELEASE + "."):
+        found = compare(step, params, STEPS)
+        assert found["stock"] == this_release(STOCK[schedule])
+    else:
+        _, want = train(step, params, "eager", STEPS)
+        found = {}
+        found["plugin"], got = train(step, params, "plugin", STEPS)
+        assert_steps_equal(got, want)
     assert found["plugin"] == Counts(captures=1, compiles=1, graph_breaks=0)
     adjoint = node("OdeintAdjointMethod")
     assert adjoint.handling == "opaque"
