@@ -104,6 +104,7 @@ def measure(
     params: list[torch.nn.Parameter],
     configs: list[str],
     full_run: bool,
+    results_file: Path | None = None,
     **labels: Any,
 ) -> dict[str, dict[str, Any]]:
     """Every config of one model variant, interleaved. First each config's first
@@ -112,7 +113,8 @@ def measure(
     past its compiles (stock_varying: past the recompile limit, as in a long run),
     then timed: the machine's drift reaches every config alike, and the steady step
     is the smallest of a config's pass medians. Each pass starts one config later
-    (a rotation), so no config always runs first after the previous pass's compiles."""
+    (a rotation), so no config always runs first after the previous pass's compiles.
+    The quick mode checks the counts against ``results_file`` (default ``RESULTS``)."""
     # The quick mode (the suite) checks counts, not timings: no steady passes there.
     steps, steady_steps, warm, backend, passes = (50, 30, 10, "inductor", PASSES) if full_run else (8, 0, 0, "aot_eager", 0)
     variant = labels.get("variant", "")
@@ -142,12 +144,13 @@ def measure(
             medians[config].append(statistics.median(train(loss_fn, params, config, steady_steps, backend, step + warm, variant)))
             step += warm + steady_steps
     _fresh()
-    committed = None if full_run else json.loads(RESULTS.read_text())["results"]
+    source = results_file or RESULTS
+    committed = None if full_run else json.loads(source.read_text())["results"]
     for config, result in results.items():
         steady = min(medians[config]) if passes else statistics.median(result["step_s"][steps // 2:])
         result.update(steady_us=steady * 1e6, passes=passes)
         if committed is not None:
-            _check_committed(result, committed)
+            _check_committed(result, committed, source.name)
     benchmark.extra_info.update({c: {k: v for k, v in r.items() if k != "step_s"} for c, r in results.items()})
     return results
 
@@ -179,16 +182,16 @@ RESULTS = Path(__file__).resolve().parent / "results" / "latest.json"
 COUNTS = ("compiles", "captures", "opaque_nodes", "breaks")
 
 
-def _check_committed(result: dict[str, Any], committed_results: list[dict[str, Any]]) -> None:
+def _check_committed(result: dict[str, Any], committed_results: list[dict[str, Any]], name: str = RESULTS.name) -> None:
     """The quick mode's counts are the full run's (the compile counts do not depend on
     the backend or on the steps past the recompile limit): the committed results file
     must show what the code does now, or the published tables are stale."""
     key = (result["model"], result["variant"], result["config"])
     rows = [r for r in committed_results if (r.get("model"), r.get("variant"), r.get("config")) == key]
-    assert rows, f"{RESULTS.name} has no row for {key}: run `pytest benchmarks/ --benchmark-only`"
+    assert rows, f"{name} has no row for {key}: run `pytest benchmarks/ --benchmark-only`"
     committed = {k: rows[0].get(k) for k in COUNTS}
     assert committed == {k: result[k] for k in COUNTS}, (
-        f"{RESULTS.name} is stale for {key}: it shows {committed}, the code gives "
+        f"{name} is stale for {key}: it shows {committed}, the code gives "
         f"{ {k: result[k] for k in COUNTS} }; run `pytest benchmarks/ --benchmark-only` and `python benchmarks/report.py`"
     )
 

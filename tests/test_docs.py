@@ -28,10 +28,10 @@ import report as bench_report  # noqa: E402  (benchmarks/report.py)
 TOPICS = (
     "usage.md", "how-it-works.md", "python.md", "cpp.md", "report.md",
     "benchmarks.md", "gpu.md", "distributed.md", "compatibility.md", "guarantees.md",
-    "contributing.md",
+    "contributing.md", "checkpointing.md",
 )
 #: Commands whose blocks this file checks; the demo's is test_demo's.
-CHECKED_HERE = {bench_report.COMMAND, bench_report.SUMMARY_COMMAND}
+CHECKED_HERE = {bench_report.COMMAND, bench_report.SUMMARY_COMMAND, bench_report.REAL_MODEL_COMMAND}
 DEMO_COMMAND = demo.MARKDOWN_COMMAND
 _FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
 _NOT_RUN = re.compile(r"<!-- not run: (.*?) -->\s*$")
@@ -60,17 +60,21 @@ def test_readme_is_a_front_door():
     # the two set-up commands come first, pinned
     first = text.split("\n## ", 1)[0]
     assert "pip install torch==2.13.0 -e . && .venv/bin/python -m ca_dynsaved demo" in first
-    assert "pip install torch==2.13.0 -e '.[test]' && .venv/bin/python -m pytest tests benchmarks -q -n 2" in first
+    assert "pip install torch==2.13.0 torchvision==0.28.0 -e '.[test]' && .venv/bin/python -m pytest tests benchmarks -q -n 2" in first
     for topic in TOPICS:
         assert (ROOT / "docs" / topic).is_file(), topic
         assert f"(docs/{topic})" in text, f"README.md does not link docs/{topic}"
 
 
 def test_readme_test_command_is_what_ci_runs():
-    """CI runs "exactly the test command the README gives" (.ci/run's FULL)."""
+    """CI runs "exactly the test command the README gives" (.ci/run's FULL), on the
+    release the README installs, with what it pins."""
     readme = (ROOT / "README.md").read_text()
     command = re.search(r"-m pytest ([^`]+)`", readme).group(1)
-    assert f'FULL="{command}"' in (ROOT / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f'FULL="{command}"' in ci
+    pins = re.search(r"pip install torch==(\S+) torchvision==(\S+) -e '\.\[test\]'", readme).groups()
+    assert f'"{pins[0]} python3 .venv pip FULL {pins[1]}"' in ci
 
 
 def _slug(heading: str) -> str:
@@ -138,7 +142,12 @@ def test_unrun_blocks_name_the_test_that_runs_them():
 @pytest.mark.every_release  # _docblocks' reader, on every release
 def test_generated_blocks_are_what_their_commands_print():
     data = json.loads((ROOT / "benchmarks" / "results" / "latest.json").read_text())
-    expected = {bench_report.COMMAND: bench_report.table(data), bench_report.SUMMARY_COMMAND: bench_report.summary(data)}
+    real = json.loads(bench_report.REAL_MODEL_RESULTS.read_text())
+    expected = {
+        bench_report.COMMAND: bench_report.table(data),
+        bench_report.SUMMARY_COMMAND: bench_report.summary(data),
+        bench_report.REAL_MODEL_COMMAND: bench_report.real_model_table(real),
+    }
     seen = []
     for page in PAGES:
         for command in _docblocks.commands(page.read_text()):
