@@ -149,3 +149,31 @@ def test_without_partitioning_the_graph_skips_cuda_graphs(ext, kind):
     assert outcome["counts"] == dataclasses.asdict(Counts(captures=1, compiles=1, graph_breaks=0))
     assert outcome["cudagraph_skips"] == 1
     assert outcome["cuda_graphs_recorded"] == 0
+
+
+@pytest.mark.parametrize("backend", sorted(MODES))
+def test_checkpointed_region(backend):
+    """A non-reentrant checkpoint around a traced Python function, on CUDA: the unpack
+    op (which recomputes the region, in Python) runs between CUDA-graphed partitions,
+    never recorded into one; one compile, no break, eager's gradients every step."""
+    import torch.utils.checkpoint as cp
+
+    w = torch.randn(4096, device=DEVICE, dtype=torch.float64, generator=torch.Generator(DEVICE).manual_seed(0))
+    recomputed = [0]
+
+    def block(h: torch.Tensor, j: int) -> torch.Tensor:
+        recomputed[0] += 1
+        return ScaleFn.apply((h * w).sin(), j, 1.0 - j / 4).tanh()
+
+    def step(i: int):
+        x = torch.randn(4096, device=DEVICE, dtype=torch.float64, generator=torch.Generator(DEVICE).manual_seed(i))
+        x.requires_grad_(True)
+        cp.checkpoint(block, x * 2, i, use_reentrant=False).cos().sum().backward()
+        return (x.grad,)
+
+    outcome = _run(step, lambda: ca_dynsaved.enable(mode=MODES[backend]))
+    _OUTCOMES[f"checkpoint/{backend}"] = {"plugin_varying": outcome}
+    assert outcome["counts"] == dataclasses.asdict(Counts(captures=1, compiles=1, graph_breaks=0))
+    assert recomputed[0] == 4 * STEPS  # forward and recomputation, plugin and eager
+    if MODES[backend] is not None:
+        assert outcome["cuda_graphs_recorded"] > 0
