@@ -22,7 +22,9 @@ from torch._dynamo.utils import counters
 import ca_dynsaved
 from ca_dynsaved import checkpoint, decision
 from ca_dynsaved.binding import bound_run
-from helpers import Counts, assert_grads_equal, counts, entry_point, frame_breaks, stock_enable, this_release
+from helpers import (
+    Counts, assert_grads_equal, counts, entry_point, frame_breaks, on_whole_suite_release, stock_enable, this_release,
+)
 
 STEPS = 6
 
@@ -347,8 +349,11 @@ def test_cpp_function_inside_a_checkpoint(ext: Any) -> None:
         cp.checkpoint(block, x, use_reentrant=False).sum().backward()
         return [lin.weight.grad, lin.bias.grad, x.grad]
 
+    modes = {"stock": lambda: stock_enable("aot_eager"), "plugin": lambda: ca_dynsaved.enable(backend="aot_eager")}
+    if not on_whole_suite_release():  # stock's recompiles are this test's cost: measured the same on 2.11-2.15
+        del modes["stock"]
     found = {}
-    for name, backward in (("stock", lambda: stock_enable("aot_eager")), ("plugin", lambda: ca_dynsaved.enable(backend="aot_eager"))):
+    for name, backward in modes.items():
         ca_dynsaved.reset()
         counters.clear()
         for i in range(STEPS):
@@ -356,6 +361,8 @@ def test_cpp_function_inside_a_checkpoint(ext: Any) -> None:
                 got = step(i)
             assert_grads_equal(got, step(i))
         found[name] = counts()
-    assert found == {"stock": this_release(dict.fromkeys(RELEASES, Counts(1, 10, 10))), "plugin": Counts(1, 1, 0)}
+    if "stock" in found:
+        assert found.pop("stock") == this_release(dict.fromkeys(RELEASES, Counts(1, 10, 10)))
+    assert found == {"plugin": Counts(1, 1, 0)}
     (node,) = ca_dynsaved.report().nodes
     assert (node.handling, node.reason) == ("opaque", decision.UNPACKED_AT_RUN_TIME)

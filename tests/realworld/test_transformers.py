@@ -29,11 +29,13 @@ pytestmark = pytest.mark.slow
 
 STEPS = 3
 #: Stock runs that cost minutes each (every unpack a break whose resume function
-#: re-traces the rest of the graph): their figures below were measured with this
-#: test under ``CA_DYNSAVED_SLOW_BASELINES=1``, which runs them again; without it the
-#: test runs eager and the plugin (CI: the non-reentrant Llama's stock run stays in).
+#: re-traces the rest of the graph; the non-reentrant Llama's about 4 minutes of CPU
+#: in CI's 2.13 stage): their figures below were measured with this test under
+#: ``CA_DYNSAVED_SLOW_BASELINES=1``, which runs them again; without it the test runs
+#: eager and the plugin. test_checkpoint.py asserts stock's breaks at every unpack on
+#: every release.
 SLOW_BASELINES = bool(os.environ.get("CA_DYNSAVED_SLOW_BASELINES"))
-MEASURED_ONLY = {("gpt2", "non-reentrant"), ("config", "non-reentrant")}
+MEASURED_ONLY = {("llama", "non-reentrant"), ("gpt2", "non-reentrant"), ("config", "non-reentrant")}
 
 
 def _modes(case: tuple[str, str], stock: str, plugin: str) -> tuple[str, ...]:
@@ -65,7 +67,8 @@ def test_causal_lm(arch: str, checkpointing: str) -> None:
     model = causal_lm(arch, checkpointing)
     found = compare_modes(model, STEPS, _modes((arch, checkpointing), "stock", "plugin"))
     stock = this_release(STOCK[arch, checkpointing])
-    assert found.get("stock", stock) == stock
+    if "stock" in found:
+        assert found["stock"] == stock
     assert found["plugin"] == Counts(captures=1, compiles=2, graph_breaks=0)
     assert found["plugin"].compiles <= stock.compiles and found["plugin"].graph_breaks <= stock.graph_breaks
     # eager's layers: once a step, once more in backward where checkpointed
@@ -81,7 +84,7 @@ def test_causal_lm(arch: str, checkpointing: str) -> None:
 #: through checkpoint's hook, and stock breaks the CA graph at every unpack too.
 CONFIG = {
     "none": ({"2.13": Counts(3, 6, 2)}, Counts(3, 6, 2)),
-    "non-reentrant": ({"2.13": Counts(3, 80, 132)}, Counts(3, 10, 12)),
+    "non-reentrant": ({"2.13": Counts(3, 80, 132)}, Counts(3, 11, 15)),
 }
 
 
@@ -92,6 +95,7 @@ def test_config_path_with_a_compiled_forward(checkpointing: str) -> None:
     its breaks in the backward (the forward's breaks are Dynamo's, the same)."""
     model = causal_lm("llama", checkpointing)
     found = compare_modes(model, STEPS, _modes(("config", checkpointing), "config_stock", "config"))
-    stock, plugin = this_release(CONFIG[checkpointing][0]), CONFIG[checkpointing][1]
-    assert found.get("config_stock", stock) == stock
+    stock, plugin = CONFIG[checkpointing]
+    if "config_stock" in found:
+        assert found["config_stock"] == this_release(stock)
     assert found["config"] == plugin
