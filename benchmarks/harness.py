@@ -182,7 +182,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "latest.json"
 COUNTS = ("compiles", "captures", "opaque_nodes", "breaks")
 
 
-def _check_committed(result: dict[str, Any], committed_results: list[dict[str, Any]], name: str = RESULTS.name) -> None:
+def _check_committed(result: dict[str, Any], committed_results: list[dict[str, Any]], name: str) -> None:
     """The quick mode's counts are the full run's (the compile counts do not depend on
     the backend or on the steps past the recompile limit): the committed results file
     must show what the code does now, or the published tables are stale."""

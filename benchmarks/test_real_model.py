@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import RESULTS, measure
+from harness import measure
+from report import REAL_MODEL_RESULTS as REAL_RESULTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "realworld"))
 from torchvision_shim import import_torchvision  # noqa: E402
@@ -36,7 +37,6 @@ from torchvision_shim import import_torchvision  # noqa: E402
 pytestmark = pytest.mark.slow
 
 CONFIGS = ["eager", "stock_constant", "plugin_varying"]
-REAL_RESULTS = RESULTS.parent / "real_model.json"
 #: The decoder's size and its batch.
 LAYERS, HIDDEN, VOCAB, BATCH, TOKENS = 1, 64, 256, 4, 64
 
