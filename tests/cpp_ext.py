@@ -14,6 +14,8 @@ from types import ModuleType
 import torch
 from ca_dynsaved.demo import load_cpp
 
+import cpp_programs
+
 # One build per torch release: load_inline reuses a build by source hash alone.
 BUILD_DIR = Path(__file__).resolve().parent.parent / ".ext_build" / f"torch-{torch.__version__}"
 
@@ -430,5 +432,9 @@ FUNCTIONS = [
 
 
 def load(verbose: bool = False) -> ModuleType:
-    """Build (or reuse, when the source is unchanged) and import the extension."""
-    return load_cpp("ca_dynsaved_test_ext", CPP_SOURCE, FUNCTIONS, BUILD_DIR / "ca_dynsaved_test_ext", verbose)
+    """Build (or reuse, when the source is unchanged) and import the extension, the
+    program interpreter of ``cpp_programs`` included (one build)."""
+    return load_cpp(
+        "ca_dynsaved_test_ext", CPP_SOURCE + cpp_programs.SOURCE, FUNCTIONS + cpp_programs.FUNCTIONS,
+        BUILD_DIR / "ca_dynsaved_test_ext", verbose,
+    )

@@ -40,7 +40,7 @@ from ._compat.capture import (
 from ._compat.config import register_config_entry, register_torch_log, unregister_config_entry
 from ._compat.dynamic_state import patch_resume_functions
 from ._compat.engine import gating_backwards
-from . import payoff, pyctx
+from . import gate, pyctx
 from .compiler import DynSavedCompilerInstance
 from .decision import Options
 
@@ -187,7 +187,7 @@ def ca_context(
                     factory = functools.partial(DynSavedCompilerInstance, options=mode.options)
                     with _instance_class(factory):  # type: ignore[arg-type]
                         stack.enter_context(cm)
-                    stack.enter_context(gating_backwards(payoff.gate))
+                    stack.enter_context(gating_backwards(gate.gate))
                 else:
                     stack.enter_context(cm)
                 yield

@@ -27,7 +27,6 @@ frame (DESIGN-NOTES pitfall 1).
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import logging
 import operator
 from dataclasses import dataclass
@@ -39,10 +38,11 @@ from ._compat.capture import StockCompilerInstance, counters, grad_dtype, no_pro
 from ._compat.dynamic_state import mark_dynamic_scalars
 from ._compat.layout import CppCall
 from ._compat.runtime_wrapper import sizes_made_once
-from . import checkpoint, cpptrace, opaque, report, runtime, sentinel
+from ._compat.symbolic import size_hints
+from . import checkpoint, cpptrace, differential, opaque, recording, report, runtime, sentinel
 from .decision import (
     OPAQUE, STOCK, TRACED, CppTrace, Decision, Lifted, OpaqueCall, Options, PythonTrace, SentinelTrace,
-    Tiered, decide_cpp, decide_python,
+    Tiered, decide_cpp, decide_python, opaque_cpp,
 )
 
 _disable = torch.compiler.disable
@@ -104,30 +104,6 @@ def _unpacked_inputs_end(graph: torch.fx.Graph) -> torch.fx.Node:
     return last
 
 
-def _after_inputs(graph: torch.fx.Graph) -> None:
-    """Reorder ``graph`` so every node follows its inputs, keeping the order
-    otherwise (of the nodes ready, the earliest first)."""
-    nodes = list(graph.nodes)
-    index = {node: i for i, node in enumerate(nodes)}
-    if all(index[i] < index[node] for node in nodes for i in node.all_input_nodes):
-        return
-    waiting = {node: len(node.all_input_nodes) for node in nodes}
-    ready = [index[node] for node in nodes if not waiting[node]]
-    heapq.heapify(ready)
-    placed: list[torch.fx.Node] = []
-    while ready:
-        node = nodes[heapq.heappop(ready)]
-        placed.append(node)
-        for user in node.users:
-            waiting[user] -= 1
-            if not waiting[user]:
-                heapq.heappush(ready, index[user])
-    assert len(placed) == len(nodes), "ca_dynsaved: a cycle in a capture's graph"
-    for before, node in zip(placed, placed[1:]):
-        if before.next is not node:
-            before.append(node)
-
-
 class DynSavedCompilerInstance(StockCompilerInstance):
     """A CA capture that handles custom-function nodes as ``decision.py`` decides,
     with the user's ``options`` (``decision.Options``: exclude, python_policy,
@@ -156,10 +132,13 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         self._dynamic_sources: list[str] = []  # numbers of traced nodes, as Dynamo names them
         self._traced_floats = False  # a traced C++ node reads a lifted double
         self._opaque_reads_scalars = False  # an opaque C++ node has a lifted number
-        # Sentinel-traced C++ nodes: (graph nodes their trace recorded, saved key ->
-        # kind, saved key -> its symbol), rewritten in create_graph_module.
-        self._sentinel_regions: list[tuple[list[torch.fx.Node], dict[str, str], dict[str, Any]]] = []
-        self._verifying: tuple[Any, ...] | None = None  # a verified node awaiting validate_outputs
+        self._scalar_values = values  # the lifted scalars' values at capture
+        # the 0-dim reads of the packed scalars (_packed_value_node), by (symnode, as_float)
+        self._selects: dict[tuple[Any, bool], torch.fx.Node] = {}
+        self._last_region: list[torch.fx.Node] = []  # the newest sentinel-traced node's
+        self._fallback_base: torch.fx.GraphModule | None = None  # runtime.fallback_graph's
+        self._owners: dict[int, str] = {}  # lifted scalar index -> "Fn's saved 'k'" (runtime.Packer)
+        self._awaiting_validation: runtime.Fallback | None = None  # the verified node just traced
         self._checks: list[runtime.Check] = []  # verify: one per verified node
         self._tiers: list[_Tier] = []  # later combinations' nodes (decision.Tiered)
         self._tier_pending: _Deferred | None = None  # one awaiting validate_outputs
@@ -209,59 +188,159 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         decision, call = decide_cpp(
             args, fn, fn_name in self._traceable, self.options, self._lifted, undefined, self.id
         )
-        if isinstance(decision.plan, Tiered):
-            return self._trace_tiered(fn, grads, call, decision)  # type: ignore[arg-type]
+        if isinstance(decision.plan, (CppTrace, SentinelTrace, Tiered)):
+            assert call is not None
+            plan = decision.plan.traced if isinstance(decision.plan, Tiered) else decision.plan
+            traced = self._trace_checked(fn, grads, call, plan, undefined)
+            if isinstance(traced, str):  # the differential check refused the trace
+                if isinstance(plan, SentinelTrace) and plan.optin:
+                    sentinel.refused(call.name, traced)
+                decision = opaque_cpp(decision, call, f"{decision.reason}; but {traced}")
+            elif isinstance(decision.plan, Tiered):
+                # its opaque op too, emitted in validate_outputs (_emit_tier)
+                opaque_ = dataclasses.replace(decision, plan=decision.plan.opaque)
+                self._tier_pending = _Deferred(opaque_, list(grads), [], lambda: (), fn=fn, call=call, tier=decision.plan)
+                return traced[0]
+            else:
+                self._record(decision)
+                return traced[0]
         if decision.handling == OPAQUE:
             with no_proxy_modes():
                 dummies = [self.allocate_dummy() for _ in output_metadata]
             self._deferred = _Deferred(decision, list(grads), dummies, stock, fn=fn, call=call)
             return dummies
         self._record(decision)
-        if isinstance(decision.plan, CppTrace):
-            return self._trace_cpp(fn, grads, call, decision.plan)  # type: ignore[arg-type]
-        if isinstance(decision.plan, SentinelTrace):
-            return self._trace_sentinels(fn, grads, call, decision.plan)  # type: ignore[arg-type]
         return stock()
 
-    def _trace_cpp(self, fn: Callable[..., Any], grads: Any, call: CppCall, plan: CppTrace) -> list[Any]:
-        """Record the C++ backward's ATen ops (see cpptrace); its lifted ints become
-        dynamic graph inputs, its doubles are read from the packed float64 tensor."""
+    def _trace_checked(
+        self, fn: Callable[..., Any], grads: Any, call: CppCall, plan: CppTrace | SentinelTrace, undefined: tuple[bool, ...]
+    ) -> tuple[list[Any], list[torch.fx.Node]] | str:
+        """Record the C++ backward's ATen ops (``cpptrace.trace``), its lifted values in
+        place (``CppTrace``: it reads them symbolically; ``SentinelTrace``: it ran with
+        sentinels, swapped for the lifted and computed values), then the differential
+        check (``differential.py``). Returns (the outputs CA gets, the region), or why
+        the check refused it: then the region is gone and the node runs opaque."""
+        graph = self.fx_tracer.graph
+        sentinels = isinstance(plan, SentinelTrace)
+        if sentinels or plan.floats:  # type: ignore[union-attr]
+            self._packed_scalar_proxies()  # the packed tensors' nodes, before the ops
+        before = len(graph.nodes)
+        around = None
+        if sentinels:
+            numbers = sentinel.values(plan.plan.kinds, 0)  # type: ignore[union-attr]
+            around = sentinel.NodesOfOps(graph) if plan.plan.derived else None  # type: ignore[union-attr]
+            outs, out_nodes = cpptrace.trace(self, fn, grads, call, values=plan.inputs.values(numbers), around=around)  # type: ignore[union-attr]
+        else:
+            outs, out_nodes = cpptrace.trace(self, fn, grads, call)
+        region = list(graph.nodes)[before:]
+        slots: tuple[tuple[tuple[int, int], ...], ...] = ((), ())
+        check = None
+        refusal = ""
+        if sentinels:
+            symbols = dict(zip(call.keys, call.values))
+            sentinel.rewrite(
+                region,
+                plan.plan.kinds,  # type: ignore[union-attr]
+                lambda slot: self._packed_value_node(symbols[slot.key].node, slot.as_float),
+                lambda slot: self.to_proxy(symbols[slot.key]).node,
+            )
+            refusal = sentinel.unplaceable(plan.plan, around.nodes if around is not None else [])  # type: ignore[union-attr]
+            if not refusal:
+                slots = self._place_derived(plan.plan, around.nodes if around is not None else [])  # type: ignore[union-attr]
+                if plan.verify:  # type: ignore[union-attr]
+                    check = self._check(fn, grads, call, plan, region, out_nodes, slots)  # type: ignore[arg-type]
+        if not refusal:
+            refusal = self._differential(fn, call, plan, check, undefined, region, out_nodes, grads)
+        if refusal:
+            for node in reversed(region):
+                graph.erase_node(node)
+            return refusal
         # Dynamic from the first compile: an int, and a double that reaches an op the
         # backend tensorifies (one the rewrite feeds from the packed tensor is never
         # read by Dynamo at all).
         self._dynamic_sources.extend(f"L['scalars'][{index}]" for index in plan.scalars)
-        self._traced_floats |= plan.floats
-        if self._traced_floats:
-            self._packed_scalar_proxies()  # the packed tensors' nodes, before the ops
-        return cpptrace.trace(self, fn, grads, call)
+        if sentinels:
+            self._last_region = region
+            if check is not None:
+                self._checks.append(check)
+                # its inputs stay in the graph for its fallback (runtime.Fallback),
+                # which also needs the validation of its outputs (validate_outputs)
+                fb = self._awaiting_validation = check.fallback
+                graph.call_function(runtime.keep_alive, (*fb.grads, *fb.saved))
+        else:
+            self._traced_floats |= plan.floats  # type: ignore[union-attr]
+        return outs, region
 
-    def _trace_sentinels(self, fn: Callable[..., Any], grads: Any, call: CppCall, plan: SentinelTrace) -> list[Any]:
-        """Trace an opted-in plain reader with the sentinels in place of its saved
-        numbers; create_graph_module swaps them for the lifted values."""
-        self._dynamic_sources.extend(f"L['scalars'][{index}]" for index in plan.scalars)
-        self._packed_scalar_proxies()  # the packed tensors' nodes, before the ops
-        graph = self.fx_tracer.graph
-        before = len(graph.nodes)
-        sentinels = sentinel.values(plan.plan.kinds, 0)
-        ops = sentinel.NodesOfOps(graph)
-        around = ops if plan.plan.derived else None
-        outs = cpptrace.trace(self, fn, grads, call, values=plan.inputs.values(sentinels), around=around)
-        region = list(graph.nodes)[before:]
-        self._sentinel_regions.append((region, plan.plan.kinds, dict(zip(call.keys, call.values))))
-        slots = self._place_derived(plan.plan, ops.nodes)
-        if plan.verify:
-            self._verifying = (fn, grads, call, plan, region, slots)
-        return outs
+    def _check(
+        self, fn: Callable[..., Any], grads: Any, call: CppCall, plan: SentinelTrace, region: list[torch.fx.Node],
+        out_nodes: list[Any], slots: tuple[tuple[tuple[int, int], ...], ...],
+    ) -> "runtime.Check":
+        """verify's check of a sentinel-traced node, run before each step with new
+        values, and what runs the node directly for a step it refuses."""
 
-    def _trace_tiered(self, fn: Callable[..., Any], grads: Any, call: CppCall, decision: Decision) -> list[Any]:
-        """A later combination: traced with sentinels as a first capture's (its graph
-        compiled only once it repeats), and its opaque op emitted beside the trace in
-        validate_outputs (``_emit_tier``)."""
-        tier: Tiered = decision.plan  # type: ignore[assignment]
-        outs = self._trace_sentinels(fn, grads, call, tier.traced)
-        opaque_ = dataclasses.replace(decision, plan=tier.opaque)
-        self._tier_pending = _Deferred(opaque_, list(grads), [], lambda: (), fn=fn, call=call, tier=tier)
-        return outs
+        def node(t: Any) -> torch.fx.Node | None:
+            return self.to_proxy(t).node if isinstance(t, torch.Tensor) else None
+
+        fallback = runtime.Fallback(
+            fn,
+            call.detached(),
+            # (kind, slot) of each lifted number; (None, value) of each hashed value
+            tuple(
+                (self._lifted[v.node].kind, self._lifted[v.node].slot) if k in plan.plan.kinds else (None, v)
+                for k, v in zip(call.keys, call.values)
+            ),
+            [node(g) for g in grads],
+            [node(t) for t in call.saved],
+            [p.node for p in self._packed_scalar_proxies()],
+            region,
+            out_nodes,
+        )
+        keys = tuple(k for k in call.keys if k in plan.plan.kinds)  # the numbers, as plan.scalars
+        return runtime.Check(call.name, plan.plan, plan.inputs, keys, plan.scalars, fallback, *slots)
+
+    def _differential(
+        self, fn: Callable[..., Any], call: CppCall, plan: CppTrace | SentinelTrace, check: "runtime.Check | None",
+        undefined: tuple[bool, ...], region: list[torch.fx.Node], out_nodes: list[Any], grads: Any,
+    ) -> str:
+        """The differential check of a node just traced: its region against its own
+        backward, with the capture's values (a sentinel-traced node's, where verify
+        refuses them: sentinel set 0's, which its graph holds as they are)."""
+        scalars = list(self._scalar_values)
+        derived_ints, derived_floats = [0] * self._derived[0], [0.0] * self._derived[1]
+        if isinstance(plan, SentinelTrace):
+            inputs = plan.inputs
+            numbers = {k: scalars[self._lifted[v.node].index] for k, v in zip(call.keys, call.values) if k in plan.plan.kinds}
+            if check is not None:
+                if check.refusal(scalars):
+                    numbers = sentinel.values(plan.plan.kinds, 0)
+                    check.derived = sentinel.check(plan.plan, inputs, numbers)[1]
+                check.place(derived_ints, derived_floats)
+                for key, number in numbers.items():
+                    scalars[self._lifted[dict(zip(call.keys, call.values))[key].node].index] = number
+            values = inputs.values(numbers)
+        else:
+            inputs = recording.Inputs.of(fn, call, undefined)
+            values = [scalars[self._lifted[v.node].index] for v in call.values]
+        packed = runtime.Packer(self._scalar_kinds, tensors=self._packed_proxies is not None)
+        _, _, scalar_values = packed(scalars, derived_ints, derived_floats)
+        with no_proxy_modes():
+            capture_sizes = (
+                [(size_hints(t)[0], t.dtype, t.device) if isinstance(t, torch.Tensor) else t for t in call.saved],
+                [None if u else (list(t.shape), t.dtype, t.device) for t, u in zip(call.incoming_grads(), undefined)],
+            )
+
+        def node(t: Any) -> torch.fx.Node | None:
+            return self.to_proxy(t).node if isinstance(t, torch.Tensor) else None
+
+        refusal = differential.differs(
+            inputs, values, region, out_nodes, [node(g) for g in grads], [node(t) for t in call.saved],
+            (self.scalars_proxy.node, scalar_values), capture_sizes,
+        )
+        counters["ca_dynsaved"]["differential_checks"] += 1
+        if refusal:
+            counters["ca_dynsaved"]["differential_refusals"] += 1
+            log.info("capture !%d: %s runs opaque: %s", self.id, call.name, refusal)
+        return refusal and f"its traced graph and its own backward differ at the capture's values: {refusal}"
 
     def _emit_tier(self, outputs: Sequence[Any], meta: Any) -> None:
         pending, self._tier_pending = self._tier_pending, None
@@ -284,8 +363,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         keep = self.fx_tracer.create_proxy("call_function", _keep, (proxy_out,), {})
         validated = [None if o is None else self.to_proxy(o).node for o in outputs]
         function = (pending.call.name, pending.call.keys)
-        traced = self._sentinel_regions[-1][0]
-        self._tiers.append(_Tier(proxy_out.node, keep.node, validated, traced, check, function))
+        self._tiers.append(_Tier(proxy_out.node, keep.node, validated, self._last_region, check, function))
 
     def _place_derived(self, plan: sentinel.Plan, nodes: list[Any]) -> tuple[tuple[tuple[int, int], ...], ...]:
         """The graph reads each value the node computes from its numbers (a
@@ -355,9 +433,11 @@ class DynSavedCompilerInstance(StockCompilerInstance):
     def validate_outputs(self, _, outputs, args, output_metadata):  # type: ignore[no-untyped-def,override]
         deferred, self._deferred = self._deferred, None
         if deferred is None:
-            if self._verifying is not None:
-                self._add_check(outputs)
+            fallback, self._awaiting_validation = self._awaiting_validation, None
+            last = next(iter(reversed(self.fx_tracer.graph.nodes)))
             out = super().validate_outputs(_, outputs, args, output_metadata)
+            if fallback is not None:  # the first node stock's validation made
+                fallback.validate = last.next
             if self._tier_pending is not None:
                 self._emit_tier(outputs, args[0])
             return out
@@ -404,6 +484,9 @@ class DynSavedCompilerInstance(StockCompilerInstance):
     def _record(self, decision: Decision, hook: int = -1) -> None:
         """A node's decision, to the report (as it is) and the plugin's counters."""
         report.node(self._capture, decision, hook)
+        for key, _, _, lifted in decision.saved if decision.kind == "C++" else ():
+            if lifted is not None:
+                self._owners[lifted] = f"{decision.name}'s saved '{key}'"
         ours = counters["ca_dynsaved"]
         if decision.handling == STOCK:
             ours["stock_nodes"] += 1
@@ -422,34 +505,6 @@ class DynSavedCompilerInstance(StockCompilerInstance):
                 ours["sentinel_cpp_nodes"] += 1
                 ours["optin_cpp_nodes"] += decision.plan.optin
 
-    def _add_check(self, outputs: Sequence[Any]) -> None:
-        """verify: what running the verified node just traced directly takes, for the
-        steps whose new values its check refuses (runtime.Check)."""
-        fn, grads, call, plan, region, (int_slots, float_slots) = self._verifying  # type: ignore[misc]
-        self._verifying = None
-
-        def node(t: Any) -> torch.fx.Node | None:
-            return None if t is None else self.to_proxy(t).node
-
-        numbers = dict(zip(call.keys, call.values))
-        fallback = runtime.Fallback(
-            fn,
-            call.detached(),
-            # (kind, slot) of each lifted number; (None, value) of each hashed value
-            tuple(
-                (self._lifted[v.node].kind, self._lifted[v.node].slot) if k in plan.plan.kinds else (None, v)
-                for k, v in numbers.items()
-            ),
-            [node(g) for g in grads],
-            [node(t) for t in call.saved],
-            [p.node for p in self._packed_scalar_proxies()],
-            region,
-            [node(o) for o in outputs],
-        )
-        keys = tuple(k for k in call.keys if k in plan.plan.kinds)  # the numbers, as plan.scalars
-        check = runtime.Check(call.name, plan.plan, plan.inputs, keys, plan.scalars, fallback, int_slots, float_slots)
-        self._checks.append(check)
-
     def _packed_scalar_proxies(self) -> tuple[Any, Any]:
         """The packed int64 and float64 tensors' nodes, read at the top of the graph:
         there the scalars list dies, so it is never live across a graph break, where
@@ -467,26 +522,34 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         return self._packed_proxies
 
     def create_graph_module(self, id: str) -> torch.fx.GraphModule:  # type: ignore[override]
-        selects: dict[tuple[Any, bool], torch.fx.Node] = {}
-        for region, kinds, symbols in self._sentinel_regions:
-            sentinel.rewrite(
-                region,
-                kinds,
-                lambda slot, s=symbols: self._packed_value_node(s[slot.key].node, slot.as_float, selects),
-                lambda slot, s=symbols: self.to_proxy(s[slot.key]).node,
-            )
         if self._traced_floats:
             floats = {scalar.index: symnode for symnode, scalar in self._lifted.items() if scalar.kind is opaque.FLOAT}
             cpptrace.rewrite_float_scalars(
                 self.fx_tracer.graph,
                 cpptrace.float_getitems(self.scalars_proxy.node, floats),
-                lambda symnode: self._packed_value_node(symnode, False, selects),
+                lambda symnode: self._packed_value_node(symnode, False),
             )
         if self._tiers:
             self._specialised = torch.fx.GraphModule(self.fx_tracer.root, self._specialised_graph(), f"{id}Specialised")
             self._opaque_graph()
         if self._unpack_calls:
             self._unpack_ops(id)
+        if self._checks:
+            # The graph as it is, its verified nodes' inputs kept (runtime.keep_alive):
+            # what a refused step's fallback graph is made from; the graph that runs
+            # compiled has no keep_alive, nor what only it kept.
+            base = torch.fx.Graph()
+            env: dict[torch.fx.Node, torch.fx.Node] = {}
+            base.output(base.graph_copy(self.fx_tracer.graph, env))
+            self._fallback_base = torch.fx.GraphModule(self.fx_tracer.root, base, f"{id}Fallback")
+            for check in self._checks:
+                check.fallback = check.fallback.remapped(env)
+            runtime.without_keep_alive(self.fx_tracer.graph)
+            self.dce()
+        for copy in (self._specialised, self._unpacks.stock_twin if self._unpacks else None):
+            if copy is not None:
+                runtime.without_keep_alive(copy.graph)
+                copy.recompile()
         self._graph_module = super().create_graph_module(id)
         return self._graph_module
 
@@ -522,7 +585,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
                 if not read.users and read.op != "placeholder":
                     graph.erase_node(read)
         if slots:
-            _after_inputs(graph)
+            runtime.after_inputs(graph)
             stock = torch.fx.GraphModule(self.fx_tracer.root, twin, f"{id}Stock")
             self._unpacks = checkpoint.Unpacks(slots, stock)
             self._capture.unpacks = len(slots)
@@ -567,12 +630,13 @@ class DynSavedCompilerInstance(StockCompilerInstance):
                 if node in alive and not node.users:
                     erase(node)
         self.dce()
-        _after_inputs(graph)
+        runtime.after_inputs(graph)
 
-    def _packed_value_node(self, symnode: Any, as_float: bool, selects: dict[tuple[Any, bool], torch.fx.Node]) -> torch.fx.Node:
+    def _packed_value_node(self, symnode: Any, as_float: bool) -> torch.fx.Node:
         """A 0-dim tensor node of the lifted scalar ``symnode``'s packed value (an int
         cast to float64 when ``as_float``), placed right after the packed tensors'
-        nodes; one per (scalar, as_float) in ``selects``."""
+        nodes; one per (scalar, as_float)."""
+        selects = self._selects
         found = selects.get((symnode, as_float))
         if found is not None:
             return found
@@ -605,13 +669,13 @@ class DynSavedCompilerInstance(StockCompilerInstance):
             self._unpacks.stock_twin.meta.update(self._graph_module.meta)  # CA's locals to steal
         packer = None
         if self._packed_proxies is not None or self._opaque_reads_scalars:
-            packer = runtime.Packer(self._scalar_kinds, tensors=self._packed_proxies is not None)
+            packer = runtime.Packer(self._scalar_kinds, tensors=self._packed_proxies is not None, owners=self._owners)
         derived = (self._derived[0], self._derived[1])
         common = (packer, self._nodes, self._capture, self.compiler_fn, tuple(self._dynamic_sources))
         hold = runtime.Hold() if self._tiers else None
         wrapper = runtime.make_runtime_wrapper(
             runtime_wrapper, self._graph_module, *common, tuple(self._checks), derived, hold=hold,
-            unpacks=self._unpacks,
+            unpacks=self._unpacks, fallback_base=self._fallback_base,
         )
         if self._tiers:
             special = self._specialised

@@ -117,10 +117,11 @@ def _decide(fn: Any, call: CppCall, lifted: Mapping[Any, Any]) -> Verdict:
 def trace(
     instance: Any, fn: Any, grads: Sequence[Any], call: CppCall, values: Sequence[Any] | None = None,
     around: Any = None,
-) -> list[Any]:
+) -> tuple[list[Any], list[Any]]:
     """Call the functional under the capture's modes so its ATen ops are recorded
     (``values``: in place of the saved numbers, as ``sentinel`` traces; ``around``: a
-    mode for the call alone, ``sentinel.NodesOfOps``).
+    mode for the call alone, ``sentinel.NodesOfOps``). Returns (CA's dummies, the
+    graph node of each output, None where undefined).
 
     Its inputs are fake tensors of the capture's concrete sizes bound to the
     proxies of the incoming grads (CA passes placeholders) and saved tensors: the
@@ -141,10 +142,9 @@ def trace(
         outs = list(call.call(fn, fake_grads, values=values, saved=saved))
     with no_proxy_modes():
         dummies = [None if o is None else instance.allocate_dummy() for o in outs]
-    instance.bind_objects_to_proxies(
-        [d for d in dummies if d is not None], [instance.to_proxy(o) for o in outs if o is not None]
-    )
-    return dummies
+    proxies = [None if o is None else instance.to_proxy(o) for o in outs]
+    instance.bind_objects_to_proxies([d for d in dummies if d is not None], [p for p in proxies if p is not None])
+    return dummies, [None if p is None else p.node for p in proxies]
 
 
 _SIZES: dict[tuple[Any, ...], str] = {}

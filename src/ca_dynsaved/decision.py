@@ -41,7 +41,7 @@ import torch
 
 from ._compat.capture import is_unpack_placeholder
 from ._compat.layout import CppCall, LayoutError, cpp_node_name, pytree
-from . import checkpoint, cpptrace, graphbreak, probe, pyctx, sentinel
+from . import checkpoint, cpptrace, graphbreak, probe, pyctx, recording, sentinel
 from .opaque import FLOAT
 from .probe import is_number
 
@@ -92,7 +92,7 @@ class SentinelTrace:
     then make them the lifted ``scalars``; ``verify``: check each new tuple."""
 
     plan: sentinel.Plan
-    inputs: sentinel.Inputs
+    inputs: recording.Inputs
     scalars: tuple[int, ...]
     verify: bool
     optin: bool = True  # named in trace_cpp (else traced by default, always verified)
@@ -184,11 +184,11 @@ def decide_cpp(
     if policy == POLICY_STOCK:
         return dataclasses.replace(node, reason="cpp_policy='stock'"), call
     if not traceable:
-        return _opaque_cpp(node, call, "not is_traceable: its backward is not traced"), call
+        return opaque_cpp(node, call, "not is_traceable: its backward is not traced"), call
     if policy == OPAQUE:
-        return _opaque_cpp(node, call, "cpp_policy='opaque'"), call
+        return opaque_cpp(node, call, "cpp_policy='opaque'"), call
     if any(map(is_unpack_placeholder, call.saved)):
-        return _opaque_cpp(node, call, UNPACKED_AT_RUN_TIME), call
+        return opaque_cpp(node, call, UNPACKED_AT_RUN_TIME), call
     # the lifted numbers, in the call's order: index among all lifted scalars, kind
     scalars = tuple(index for *_, index in node.saved if index is not None)
     kinds = {key: kind for key, kind, _, index in node.saved if index is not None}
@@ -198,34 +198,34 @@ def decide_cpp(
         if not sizes:
             trace = CppTrace(scalars, FLOAT in kinds.values())
             return dataclasses.replace(node, handling=TRACED, reason=verdict.reason, plan=trace), call
-        return _opaque_cpp(node, call, sizes), call
+        return opaque_cpp(node, call, sizes), call
     hashed = {key: value for key, _, value, index in node.saved if index is None}
     if len(kinds) + len(hashed) != len(call.keys):
-        return _opaque_cpp(node, call, verdict.reason), call  # a saved value of no kind we take
+        return opaque_cpp(node, call, verdict.reason), call  # a saved value of no kind we take
     if not kinds:
-        return _opaque_cpp(node, call, verdict.reason), call  # hashed values only: they share code
+        return opaque_cpp(node, call, verdict.reason), call  # hashed values only: they share code
     later = bool(hashed) and not COMBINATIONS.specialised(call.name, call.keys, repr(tuple(hashed.values())), capture)
     if later and not COMBINATIONS.may_specialise(call.name, call.keys):
-        return _opaque_cpp(node, call, f"{verdict.reason}; {_LATER_COMBINATION}: {_capped()}"), call
+        return opaque_cpp(node, call, f"{verdict.reason}; {_LATER_COMBINATION}: {_capped()}"), call
     # A plain toInt()/toDouble() reader (or one with hashed values): traced with
     # sentinels if it passes its numbers only to ATen ops, each new value verified
     # unless the user opted it in and turned verify off (docs/cpp.md, "Why the
     # default is sound"); its hashed values are constants of this capture's graph.
-    inputs = sentinel.Inputs.of(fn, call, undefined, hashed)
+    inputs = recording.Inputs.of(fn, call, undefined, hashed)
     plan = sentinel.plan(call.name, inputs, kinds, warn=optin)
     sizes = cpptrace.size_dependence(fn, call) if plan.traced else ""
     if sizes and optin:
         sentinel.refused(call.name, sizes)
     if not plan.traced or sizes:
         refusal = sizes or plan.reason
-        return _opaque_cpp(node, call, f"trace_cpp refused: {refusal}" if optin else f"{verdict.reason}; {refusal}"), call
+        return opaque_cpp(node, call, f"trace_cpp refused: {refusal}" if optin else f"{verdict.reason}; {refusal}"), call
     verify = options.verify or not optin or bool(plan.derived)  # verify's run gives the derived values
     checked = "; each new value verified" if verify else ""
     how = "opt-in (trace_cpp)" if optin else "traced with sentinels"
     constants = f"; its hashed values ({', '.join(hashed)}) constants of this graph" if hashed else ""
     trace = SentinelTrace(plan, inputs, scalars, verify, optin)
     if later:
-        first = _opaque_cpp(node, call, f"{verdict.reason}; {_LATER_COMBINATION}: {_tiered()}")
+        first = opaque_cpp(node, call, f"{verdict.reason}; {_LATER_COMBINATION}: {_tiered()}")
         return dataclasses.replace(first, plan=Tiered(first.plan, trace)), call  # type: ignore[arg-type]
     return dataclasses.replace(node, handling=TRACED, reason=f"{how}: {plan.reason}{checked}{constants}", plan=trace), call
 
@@ -291,7 +291,7 @@ class _Combinations:
 COMBINATIONS = _Combinations()
 
 
-def _opaque_cpp(node: Decision, call: CppCall, reason: str) -> Decision:
+def opaque_cpp(node: Decision, call: CppCall, reason: str) -> Decision:
     """Opaque, each saved value CA hashed (``node.saved``'s entries without a lifted
     index) taken from the capture."""
     hashed = {key: value for key, _, value, index in node.saved if index is None}

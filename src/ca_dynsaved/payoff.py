@@ -23,20 +23,23 @@ walked from the backward's roots):
   that captured, and while a structure runs without CA. A steady loop that hits
   the cache never walks.
 
+A structure CA cannot collect (``uncollectable``: the gate saw CA's collection
+assert on it) is sent to plain autograd the same way, retried as rarely.
+
 Never about correctness: a structure key that confused two graphs would only pick
 the slower of two right answers. ``report()`` lists each structure run without CA,
-the hashed saved values that changed, and how many backwards ran so.
+the hashed saved values that changed (or why CA cannot collect it), and how many
+backwards ran so.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from ._compat.capture import capture_count, counters, no_ca
-from ._compat.dynamo import without_dynamo
+from ._compat.capture import capture_count, counters, no_ca, node_name
 from . import report
 
 
@@ -84,28 +87,53 @@ def structure_key(roots: Any) -> Hashable:
             continue
         order[node] = len(order)
         edges = node.next_functions
-        key.append((type(node), tuple((-1 if m is None else order.get(m, -2), i) for m, i in edges)))
+        edge_key = tuple((-1 if m is None else order.get(m, -2), i) for m, i in edges)
+        key.append((type(node), node_name(node), edge_key))
         stack.extend(m for m, _ in edges if m is not None)
     return tuple(key)
 
 
-@without_dynamo  # runs with Dynamo's frame callback on (the config path)
-def gate(run_backward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """A backward under a plugin context (``gating_backwards``): under CA, or
-    without it where the policy says so."""
+def roots(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The roots of a ``run_backward`` call (its tensors or gradient edges)."""
+    return args[0] if args else kwargs.get("tensors", ())
+
+
+def _structure(roots_: Any) -> _Structure:
+    key = structure_key(roots_)
+    structure = _structures.get(key)
+    if structure is None:
+        if len(_structures) >= MAX_STRUCTURES:
+            _structures.pop(next(iter(_structures)))
+        structure = _structures[key] = _Structure()
+    return structure
+
+
+def uncollectable(roots_: Any, reason: str, nodes: Sequence[str]) -> None:
+    """The structure below ``roots_`` runs without CA from now on, as one whose
+    captures keep changing does (the same retries): CA could not collect it
+    (``reason``; ``nodes``: its C++ custom functions, one of which is why)."""
+    structure = _structure(roots_)
+    if structure.uncaptured:  # a retry that failed again
+        structure.retry = min(2 * structure.retry, MAX_RETRY)
+        assert structure.record is not None
+        structure.record.tries += 1
+    else:
+        structure.uncaptured = True
+        structure.since_try = 0
+        structure.record = report.uncaptured(0, why=reason, nodes=tuple(nodes))
+    _watching[0] = True
+
+
+def run(run_backward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A backward under a plugin context (``gate.gate``): under CA, or without it
+    where the policy says so."""
     if not _watching[0]:
         before = capture_count()
         out = run_backward(*args, **kwargs)
         if capture_count() != before:
             _watching[0] = True
         return out
-    roots = args[0] if args else kwargs.get("tensors", ())
-    key = structure_key(roots)
-    structure = _structures.get(key)
-    if structure is None:
-        if len(_structures) >= MAX_STRUCTURES:
-            _structures.pop(next(iter(_structures)))
-        structure = _structures[key] = _Structure()
+    structure = _structure(roots(args, kwargs))
     if structure.uncaptured:
         structure.since_try += 1
         if structure.since_try < structure.retry:

@@ -230,15 +230,19 @@ class UncapturedRecord:
     nodes: tuple[str, ...]  # its custom-function nodes, as in its newest capture
     changed: dict[str, int]  # "function.key" of hashed saved values -> distinct values seen by then
     backwards: int = 0  # run without CA since
-    tries: int = 0  # backwards tried under CA again that captured again
+    tries: int = 0  # backwards tried under CA again that captured (or failed) again
     returned: bool = False  # a try hit CA's cache: it runs under CA again
+    why: str = ""  # CA could not collect it (gate.py), or "": its captures kept changing
 
     @property
     def reason(self) -> str:
-        changed = ", ".join(f"{k} ({n} values)" for k, n in self.changed.items()) or "no custom-function value"
         state = "back under compiled autograd (a try hit its cache)" if self.returned else (
-            f"{self.backwards} backwards run as plain autograd, {self.tries} tries under compiled autograd captured again"
+            f"{self.backwards} backwards run as plain autograd, {self.tries} tries under compiled autograd "
+            + ("failed again" if self.why else "captured again")
         )
+        if self.why:
+            return f"compiled autograd cannot collect its graph: {self.why}; {state}"
+        changed = ", ".join(f"{k} ({n} values)" for k, n in self.changed.items()) or "no custom-function value"
         return (
             f"captured {self.captures} backwards in a row (the saved values compiled autograd hashes "
             f"changed: {changed}), so no capture could pay off; {state}"
@@ -431,9 +435,14 @@ def report() -> Report:
     return _REPORT
 
 
-def uncaptured(captures: int) -> UncapturedRecord:
+def uncaptured(captures: int, why: str = "", nodes: tuple[str, ...] = ()) -> UncapturedRecord:
     """A structure just sent to plain autograd after ``captures`` captures in a row
-    (the newest captures): what its nodes are and which hashed values changed."""
+    (the newest captures): what its nodes are and which hashed values changed; or,
+    with ``why``, one CA could not collect (no capture)."""
+    if why:
+        record = UncapturedRecord(0, nodes, {}, why=why)
+        _REPORT.uncaptured.append(record)
+        return record
     _flush_pending()
     newest = list(_REPORT.captures)[-captures:]
     nodes = newest[-1].nodes if newest else []

@@ -17,7 +17,7 @@
   a derivative cuts; CA's cache does not tell such calls apart, so those calls run
   the captured graph eagerly with each opaque op replaced by a direct call.
 * Verify: a C++ node traced with sentinels (``sentinel``) has
-  a ``Check``; each new tuple of its saved numbers is re-run (``sentinel.check``)
+  a ``Check``; each new tuple of its saved numbers is recorded (``sentinel.check``)
   before the compiled graph may use it. A refused tuple runs that step eagerly on a
   copy of the graph where the node's C++ functional is called directly instead of
   its traced ops (``Fallback``).
@@ -29,6 +29,8 @@
 from __future__ import annotations
 
 import array
+import dataclasses
+import heapq
 import logging
 import operator
 import time
@@ -42,7 +44,7 @@ from ._compat.dynamic_state import mark_dynamic_scalars
 from ._compat.dynamo import without_dynamo
 from ._compat.engine import collecting_final_callbacks
 from ._compat.layout import CppCall
-from . import binding, checkpoint, fuse, opaque, reuse, sentinel
+from . import binding, checkpoint, fuse, opaque, recording, reuse, sentinel
 from . import decision
 from .report import CaptureRecord
 
@@ -55,30 +57,38 @@ class Packer:
     ints and its doubles, for the opaque C++ ops (``binding.bound_run``), and, with
     ``tensors`` (a traced node reads them), packed into one int64 and one float64
     tensor appended to the graph's scalars. Built once per graph: each run picks by
-    precomputed indices and checks the types, both in C (itemgetter, issuperset)."""
+    precomputed indices and checks the types, both in C (itemgetter, issuperset).
+    ``owners``: per lifted scalar, whose saved key it is ("MyFn's 'k'"), for the
+    error a changed type gives."""
 
-    def __init__(self, kinds: Sequence[str], tensors: bool) -> None:
+    def __init__(self, kinds: Sequence[str], tensors: bool, owners: dict[int, str] | None = None) -> None:
         self.kinds = tuple(kinds)
         self.tensors = tensors
+        self.owners = owners or {}
         self._ints = _picker([i for i, kind in enumerate(self.kinds) if kind is opaque.INT])
         self._floats = _picker([i for i, kind in enumerate(self.kinds) if kind is not opaque.INT])
+
+    def check_types(self, values: Sequence[Any]) -> None:
+        """Raise ``SavedTypeChanged`` for the first lifted value whose type is not its
+        type at capture (CA's cache key does not hold it; an int64 slot would
+        truncate a float, and a bool is no int here): before the graph runs."""
+        if len(values) != len(self.kinds):
+            raise RuntimeError(
+                f"ca_dynsaved: CA graph captured with {len(self.kinds)} lifted scalars, called with {len(values)}"
+            )
+        if _ONLY_INT.issuperset(map(type, self._ints(values))) and _ONLY_FLOAT.issuperset(map(type, self._floats(values))):
+            return
+        index, value = next((i, v) for i, v in enumerate(values) if type(v) is not (int if self.kinds[i] is opaque.INT else float))
+        raise SavedTypeChanged(self.owners.get(index, f"lifted scalar {index}"), self.kinds[index], value)
 
     def __call__(
         self, values: list[Any], derived_ints: Sequence[int] = (), derived_floats: Sequence[float] = ()
     ) -> tuple[Sequence[int], Sequence[float], list[Any]]:
         """(the ints, the doubles, the graph's scalars: ``values``, then the packed
         tensors if any, the doubles computed from the saved numbers at the end of the
-        float64 one, then the ints computed from them: ``sentinel.Derived``)."""
-        if len(values) != len(self.kinds):
-            raise RuntimeError(
-                f"ca_dynsaved: CA graph captured with {len(self.kinds)} lifted scalars, called with {len(values)}"
-            )
+        float64 one, then the ints computed from them: ``sentinel.Derived``), for
+        values ``check_types`` passed."""
         ints, floats = self._ints(values), self._floats(values)
-        # An int64 slot would silently truncate a float (and a bool is no int here).
-        if not (_ONLY_INT.issuperset(map(type, ints)) and _ONLY_FLOAT.issuperset(map(type, floats))):
-            for value, kind in zip(values, self.kinds):
-                if type(value) is not (int if kind is opaque.INT else float):
-                    raise TypeError(f"ca_dynsaved: lifted saved value {value!r} was a {kind} at capture")
         if not self.tensors:
             return ints, floats, values
         packed = (*floats, *derived_floats) if derived_floats else floats
@@ -90,6 +100,23 @@ class Packer:
             torch.frombuffer(array.array("d", packed), dtype=torch.float64) if packed else _EMPTY_FLOATS,
             *derived_ints,
         ]
+
+
+class SavedTypeChanged(TypeError):
+    """A lifted saved value whose type is not its type at capture: an int at capture,
+    a double now, or the other way round. CA's cache key does not hold the type, so
+    CA hands the step to the graph captured for the other type, which cannot take it;
+    raised before anything runs."""
+
+    def __init__(self, owner: str, kind: str, value: Any) -> None:
+        was = "an int" if kind is opaque.INT else "a double"
+        now = {int: "an int", float: "a double", bool: "a bool"}.get(type(value), f"a {type(value).__name__}")
+        super().__init__(
+            f"ca_dynsaved: {owner} was {was} at capture and is {now} now ({value!r}): compiled autograd "
+            f"keeps one graph for both types, so its graph cannot take it. Save it as one type in the "
+            f"forward ({'static_cast<double>(...) every time' if kind is opaque.INT else 'the same type every time'})."
+        )
+        self.owner, self.kind, self.value = owner, kind, value
 
 
 def _picker(indices: Sequence[int]) -> Callable[[Sequence[Any]], Sequence[Any]]:
@@ -108,10 +135,13 @@ _EMPTY_FLOATS = torch.empty(0, dtype=torch.float64)
 
 @dataclass
 class Fallback:
-    """An opted-in traced node, called directly: for a step whose values its check
+    """A sentinel-traced node, called directly: for a step whose values its check
     refused. The C++ functional and its concrete call data, each saved number's
     (kind, index in the packed tensors), and the CA graph's nodes of its incoming
-    grads, saved tensors, packed scalars, of what its trace recorded and returned."""
+    grads, saved tensors, packed scalars, of what its trace recorded and returned.
+    Its grads and saved tensors are kept alive in the capture's graph by a
+    ``keep_alive`` node (CA's dead-code pass would drop one the traced ops do not
+    use), which the graph that runs compiled does not have (``fallback_base``)."""
 
     fn: Callable[..., Any]
     call: CppCall  # detached: filled in by each run
@@ -121,6 +151,9 @@ class Fallback:
     packed: list[torch.fx.Node]
     region: list[torch.fx.Node]
     outputs: list[torch.fx.Node | None]
+    # CA's validation of its outputs, the one reader of them outside the region (an
+    # output may be an input as it is, which other nodes read too)
+    validate: torch.fx.Node | None = None
 
     def run(self, grads: list[Any], saved: list[Any], ints: torch.Tensor, floats: torch.Tensor) -> list[Any]:
         """The backward with this run's saved numbers; the forward outputs' sizes
@@ -132,6 +165,30 @@ class Fallback:
     @property
     def name(self) -> str:
         return self.call.name
+
+    def remapped(self, env: dict[torch.fx.Node, torch.fx.Node]) -> "Fallback":
+        """The same node, its graph nodes those ``env`` maps them to (a graph's copy)."""
+        def one(node: torch.fx.Node | None) -> torch.fx.Node | None:
+            return None if node is None else env.get(node)
+
+        return dataclasses.replace(
+            self,
+            grads=[one(g) for g in self.grads],
+            saved=[one(t) for t in self.saved],
+            packed=[env[p] for p in self.packed],
+            region=[env[n] for n in self.region if n in env],
+            outputs=[one(o) for o in self.outputs],
+            validate=one(self.validate),
+        )
+
+
+def keep_alive(*nodes: Any) -> None:
+    """A user of a sentinel-traced node's inputs in the capture's graph (never run:
+    removed before the graph is compiled or run)."""
+
+
+# Side-effectful to FX's dead-code pass, so CA's own pass keeps what it holds.
+torch.fx.node.has_side_effect(keep_alive)
 
 
 #: verify results kept per plan (a step counter makes one a step; a tuple that comes
@@ -145,7 +202,7 @@ class Check:
 
     name: str
     plan: sentinel.Plan
-    inputs: sentinel.Inputs
+    inputs: recording.Inputs
     keys: tuple[str, ...]
     indices: tuple[int, ...]  # each key's index among the lifted scalars
     fallback: Fallback
@@ -191,46 +248,69 @@ class Check:
         return dict(zip(self.keys, values))
 
 
-def fallback_graph(gm: torch.fx.GraphModule, fallbacks: Sequence[Fallback]) -> torch.fx.GraphModule:
-    """A copy of ``gm`` in which each fallback's node is called directly instead of
-    its traced ops, for eager runs."""
+def without_keep_alive(graph: torch.fx.Graph) -> None:
+    """Erase ``graph``'s ``keep_alive`` nodes."""
+    for node in list(graph.find_nodes(op="call_function", target=keep_alive)):
+        graph.erase_node(node)
+
+
+def after_inputs(graph: torch.fx.Graph) -> None:
+    """Reorder ``graph`` so every node follows its inputs, keeping the order
+    otherwise (of the nodes ready, the earliest first)."""
+    nodes = list(graph.nodes)
+    index = {node: i for i, node in enumerate(nodes)}
+    if all(index[i] < index[node] for node in nodes for i in node.all_input_nodes):
+        return
+    waiting = {node: len(node.all_input_nodes) for node in nodes}
+    ready = [index[node] for node in nodes if not waiting[node]]
+    heapq.heapify(ready)
+    placed: list[torch.fx.Node] = []
+    while ready:
+        node = nodes[heapq.heappop(ready)]
+        placed.append(node)
+        for user in node.users:
+            waiting[user] -= 1
+            if not waiting[user]:
+                heapq.heappush(ready, index[user])
+    assert len(placed) == len(nodes), "ca_dynsaved: a cycle in a capture's graph"
+    for before, node in zip(placed, placed[1:]):
+        if before.next is not node:
+            before.append(node)
+
+
+def fallback_graph(base: torch.fx.GraphModule, fallbacks: Sequence[Fallback]) -> torch.fx.GraphModule:
+    """A copy of ``base`` (the capture's graph with its ``keep_alive`` nodes, so every
+    fallback's inputs are there) in which each fallback's node is called directly
+    instead of its traced ops, for eager runs."""
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
-    graph.output(graph.graph_copy(gm.graph, env))
-    order = {node: i for i, node in enumerate(graph.nodes)}
-
-    def alive(node: torch.fx.Node | None, what: str, fb: Fallback) -> torch.fx.Node | None:
-        if node is None:
-            return None
-        if node not in env:
-            # The trace did not use it and CA's dead-code pass removed it.
-            raise RuntimeError(
-                f"ca_dynsaved: verify refused this step's saved values of {fb.name}, and "
-                f"running it directly needs its {what}, which its traced ops did not use "
-                "(the graph no longer has it). Keep it opaque: enable(exclude=[...]) or cpp_policy='opaque'."
-            )
-        return env[node]
-
+    graph.output(graph.graph_copy(base.graph, env))
     for fb in fallbacks:
         args = (
-            [alive(g, "incoming gradient", fb) for g in fb.grads],
-            [alive(t, "saved tensor", fb) for t in fb.saved],
-            *(alive(p, "packed scalars", fb) for p in fb.packed),
+            [None if g is None else env[g] for g in fb.grads],
+            [None if t is None else env[t] for t in fb.saved],
+            *(env[p] for p in fb.packed),
         )
-        used = [env[node] for node in fb.region if node in env]
-        torch.fx.node.map_arg(args, used.append)
-        with graph.inserting_after(max(used, key=order.__getitem__)):  # after its inputs, before its users
+        with graph.inserting_before(env[fb.region[0]] if fb.region else None):
             call = graph.call_function(fb.run, args)
+        # CA's validation takes the outputs as its first argument, by position (one
+        # tensor may be two outputs, or an input as it is)
+        assert fb.validate is not None, f"ca_dynsaved: no validation of {fb.name}'s outputs was captured"
+        validate = env[fb.validate]
+        outputs = list(validate.args[0])  # type: ignore[arg-type]
+        assert len(outputs) == len(fb.outputs), f"ca_dynsaved: {fb.name}'s outputs and their validation differ"
         after = call
         for i, out in enumerate(fb.outputs):
             if out is not None:
                 with graph.inserting_after(after):
-                    after = graph.call_function(operator.getitem, (call, i))
-                env[out].replace_all_uses_with(after)
+                    after = outputs[i] = graph.call_function(operator.getitem, (call, i))
+        validate.args = (outputs, *validate.args[1:])
         for node in reversed(fb.region):
-            if node in env and not env[node].users:
+            if not env[node].users:
                 graph.erase_node(env[node])
-    return torch.fx.GraphModule(gm, graph)
+    without_keep_alive(graph)
+    after_inputs(graph)  # the call after its inputs (a grad the trace did not use may come later)
+    return torch.fx.GraphModule(base, graph)
 
 
 def running_final_callbacks(runtime_wrapper: Callable[..., Any], record: CaptureRecord) -> Callable[..., Any]:
@@ -271,6 +351,7 @@ def make_runtime_wrapper(
     refused: Callable[..., Any] | None = None,
     hold: "Hold | None" = None,
     unpacks: checkpoint.Unpacks | None = None,
+    fallback_base: torch.fx.GraphModule | None = None,
 ) -> Callable[..., Any]:
     """Wrap CA's runtime wrapper for a captured graph with opaque ops for ``nodes``;
     ``packer`` when C++ opaque ops or traced nodes read the lifted scalars;
@@ -279,30 +360,31 @@ def make_runtime_wrapper(
     verify checks of sentinel-traced nodes; ``derived``: how many ints and doubles
     those nodes compute from their numbers (``sentinel.Derived``), which the
     checks give per step; ``refused``: what runs a step a check refuses (called
-    with the run's arguments after ``compiled_fn``), else a copy of the graph with
-    the refused nodes called directly (``fallback_graph``); ``hold``: while on,
-    the graph runs eagerly, uncompiled (``tiered``); ``unpacks``: the graph's
-    checkpoint unpacks, whose ``like`` tensors each run appends to the scalars
-    (a run that cannot describe them takes the stock twin), learned on the first
-    run, which is eager."""
+    with the run's arguments after ``compiled_fn``), else a copy of
+    ``fallback_base`` with the refused nodes called directly (``fallback_graph``);
+    ``hold``: while on, the graph runs eagerly, uncompiled (``tiered``);
+    ``unpacks``: the graph's checkpoint unpacks, whose ``like`` tensors each run
+    appends to the scalars (a run that cannot describe them takes the stock twin),
+    learned on the first run, which is eager. A lifted value whose type is not its
+    capture's raises before anything runs (``SavedTypeChanged``)."""
     compiled: list[Callable[..., Any]] = []  # set once every node has run
     # Only a Python opaque node and a checkpoint unpack run under the caller's
     # dispatch keys: read them then.
     python = any(node.fn is None for node in nodes) or unpacks is not None
     fallbacks: dict[tuple[int, ...], torch.fx.GraphModule] = {}  # by refused checks
 
-    def _refuse(reasons: dict[int, str], scalars: Sequence[Any]) -> None:
-        counters["ca_dynsaved"]["verify_fallbacks"] += 1
-        for i, reason in reasons.items():
-            record.refuse(checks[i].name, checks[i].named([scalars[j] for j in checks[i].indices]), reason)
-
     @without_dynamo
     def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
         start = time.perf_counter() if binding.TIMING else 0.0
+        if packer is not None:
+            packer.check_types(scalars)
         reasons = {i: reason for i, check in enumerate(checks) if (reason := check.refusal(scalars))} if checks else {}
-        if reasons and refused is not None:
-            _refuse(reasons, scalars)
-            return refused(inputs, sizes, scalars, hooks, packed_inputs)
+        if reasons:
+            counters["ca_dynsaved"]["verify_fallbacks"] += 1
+            for i, reason in reasons.items():
+                record.refuse(checks[i].name, checks[i].named([scalars[j] for j in checks[i].indices]), reason)
+            if refused is not None:
+                return refused(inputs, sizes, scalars, hooks, packed_inputs)
         record.observe(scalars, hooks)
         ints: Sequence[int] = ()
         floats: Sequence[float] = ()
@@ -318,16 +400,15 @@ def make_runtime_wrapper(
                     return _stock_twin(unpacks, likes, ints, floats, inputs, sizes, scalars, hooks, packed_inputs)
                 likes = [None] * len(unpacks.slots)  # the eager fallback below takes any hook
             scalars = [*scalars, *likes]
-        if checks:
-            if reasons:
-                _refuse(reasons, scalars)
-                which = tuple(reasons)
-                gm = fallbacks.get(which)
-                if gm is None:
-                    gm = fallbacks[which] = fallback_graph(graph_module, [checks[i].fallback for i in which])
-                runner = _Differentiable(gm).run_to_list if torch.is_grad_enabled() else gm
-                with binding.bound_run(hooks, nodes, ints, floats, python, packed_inputs, unpacks):
-                    return runtime_wrapper(runner, inputs, sizes, scalars, hooks, packed_inputs)
+        if reasons:
+            which = tuple(reasons)
+            gm = fallbacks.get(which)
+            if gm is None:
+                assert fallback_base is not None
+                gm = fallbacks[which] = fallback_graph(fallback_base, [checks[i].fallback for i in which])
+            runner = _Differentiable(gm).run_to_list if torch.is_grad_enabled() else gm
+            with binding.bound_run(hooks, nodes, ints, floats, python, packed_inputs, unpacks):
+                return runtime_wrapper(runner, inputs, sizes, scalars, hooks, packed_inputs)
         if not nodes and unpacks is None:  # nothing opaque: the graph as captured (traced C++ nodes may
             # read the packed floats); with sentinel-traced nodes its first run is
             # eager, as a graph with opaque nodes runs it, so a capture used once (a

@@ -10,23 +10,27 @@ the op switched from ``X.Scalar`` to ``X.Tensor``. An argument computed from the
 numbers (``2 * alpha``, ``k % 3``: a ``Derived``) becomes a graph input too, its
 value per new tuple read from verify's run (``rewrite_derived``).
 
-What the sentinels cannot show is checked (docs/cpp.md, "Why the default is sound"):
+What the sentinels cannot show is checked (docs/cpp.md, "Why the default is sound"),
+on recordings that hold where every tensor comes from (``recording``):
 
-* ``plan`` (once per function and layout) traces the backward twice on small
-  real tensors (``Inputs.record``), with two sentinel sets that differ in sign, parity and magnitude, and
-  compares: the same ops, every argument equal in both, the sentinel of the same
-  saved number in both, or an int or double computed from them. A branch taken
-  differently, a read of a tensor's sizes (``SizeWatched`` tensors make it an op of
-  the recording) or data: refused (the report says why; a ``trace_cpp`` name also
-  warns), and the node stays opaque. A double may only reach an ``X.Scalar`` op's
-  scalar on a floating tensor; anywhere else the backend would specialise it.
+* ``plan`` (once per function and layout) records the backward twice on small
+  real tensors, with two sentinel sets that differ in sign, parity and magnitude,
+  and compares: the same ops, every argument equal in both (a tensor: from the same
+  saved tensor, incoming grad or op result), the sentinel of the same saved number
+  in both, or an int or double computed from them; the same tensors returned. A
+  branch taken differently, a tensor picked or a result returned by value, a tensor
+  no recorded op made (``from_blob``), a read of a tensor's sizes (``SizeWatched``
+  tensors make it an op of the recording) or data: refused (the report says why; a
+  ``trace_cpp`` name also warns), and the node stays opaque. A double may only
+  reach an ``X.Scalar`` op's scalar on a floating tensor; anywhere else the backend
+  would specialise it.
 * Two sentinels cannot see everything (a branch both take the same way,
   ``std::min(k, 64)`` with both above 64). ``verify`` (always, except for a
-  ``trace_cpp`` name with ``verify=False``) re-runs the node the same way with
-  each *new* value before the compiled graph uses it
-  (``check``), and compares with the plan's template; on a difference that step
-  runs the node directly (``runtime.Check``), and the report names the node and
-  the value.
+  ``trace_cpp`` name with ``verify=False``) records the node the same way with
+  each *new* tuple of values before the compiled graph uses it (``check``: one
+  comparison of flat lists), and compares with the plan's template; on a
+  difference that step runs without compiled autograd (``runtime.Check``), and the
+  report names the node and the value.
 """
 
 from __future__ import annotations
@@ -34,16 +38,17 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ._compat.capture import counters
 from ._compat.dynamo import exception_line
-from ._compat.layout import CppCall
-from ._compat.symbolic import RecordingMode, SizeWatched, TorchDispatchMode, real_tensors_only, size_hints, watched
+from ._compat.symbolic import TorchDispatchMode
 from . import opaque
 from .cpptrace import REWRITES
+from .recording import UNKNOWN, Inputs, Recording, describe
+
 
 def sentinel(kind: str, n: int, which: int) -> int | float:
     """The ``which``-th (0 or 1) sentinel of the ``n``-th saved number of ``kind``.
@@ -73,26 +78,32 @@ class Derived:
     index: int
 
 
-@dataclass(frozen=True)
-class _Tensor:
-    """A tensor argument, as a trace records it."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-_Op = tuple[Any, tuple[Any, ...]]  # (op, its argument leaves)
+_Op = tuple[Any, tuple[Any, ...]]  # (op, its argument leaves: the kwargs names, then each leaf)
 
 
 @dataclass
 class Plan:
-    """Whether an opted-in node may be traced, and the template ``verify`` checks."""
+    """Whether a node may be traced with sentinels, and the template ``verify`` checks.
+
+    ``template``: sentinel set 0's recording, op by op, each sentinel argument a
+    ``Slot``, each computed one a ``Derived``, each tensor its origin
+    (``recording``); ``returned``: the origin of each returned tensor. The rest is
+    the same template as one flat list, which a check compares in one C comparison
+    once it has put the new values in: ``flat`` (sentinel set 0's), where each slot
+    and derived value sits in it, the type each leaf must have, and where a float
+    constant is zero (its sign is compared too: ``-0.0 == 0.0``)."""
 
     traced: bool
     reason: str
-    template: tuple[_Op, ...] = ()  # trace 0, each sentinel argument a Slot, each computed one a Derived
+    template: tuple[_Op, ...] = ()
     kinds: dict[str, str] = field(default_factory=dict)  # saved key -> INT / FLOAT
     derived: tuple[tuple[int, int, str], ...] = ()  # (op index, leaf position, kind) per Derived
+    returned: tuple[Any, ...] = ()
+    flat: list[Any] = field(default_factory=list, repr=False)
+    slots_at: tuple[tuple[int, str, bool], ...] = ()  # (flat position, key, as_float)
+    derived_at: tuple[int, ...] = ()  # flat position of each Derived, by Derived.index
+    types: list[type] = field(default_factory=list, repr=False)
+    zeros_at: tuple[int, ...] = ()
     # verify's results, shared by every node of this plan: (its inputs' layout, values)
     # -> (refusal, derived values); a layer's worth of one function checks a tuple once
     checked: dict[tuple[Any, ...], tuple[str, tuple[Any, ...]]] = field(default_factory=dict, compare=False, repr=False)
@@ -100,110 +111,6 @@ class Plan:
     def derived_of(self, kind: str) -> list[int]:
         """The node's derived values of ``kind`` (their ``Derived.index``), in order."""
         return [i for i, (*_, k) in enumerate(self.derived) if k is kind]
-
-
-class _Recorder(RecordingMode):
-    """Records each op a backward runs with its argument leaves, and runs it on the
-    tensors SizeWatched wraps (one Python dispatch an op: verify runs this per op
-    of each new value's run)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[_Op] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        leaves: list[Any] = [tuple(kwargs) if kwargs else ()]
-        args = _leaves_of(args, leaves)
-        if kwargs:
-            kwargs = dict(zip(kwargs, _leaves_of(kwargs.values(), leaves)))
-        self.ops.append((func, tuple(leaves)))
-        return watched(func(*args, **(kwargs or {})))
-
-
-def _leaves_of(values: Iterable[Any], into: list[Any]) -> list[Any]:
-    """``values`` unwrapped, their leaves appended to ``into`` in one walk (ATen
-    arguments nest only lists and tuples): a tensor as its shape and dtype, a list
-    or tuple as its length then its items. Cheaper than pytree."""
-    out = []
-    for value in values:
-        kind = type(value)
-        if kind is SizeWatched:
-            value = value.inner
-            into.append(_Tensor(tuple(value.shape), value.dtype))
-        elif kind is list or kind is tuple:
-            into.append(len(value))  # the structure
-            value = kind(_leaves_of(value, into))
-        elif isinstance(value, torch.Tensor):
-            into.append(_Tensor(tuple(value.shape), value.dtype))
-        else:
-            into.append(value)
-        out.append(value)
-    return out
-
-
-def _small(sizes: Sequence[int]) -> list[int]:
-    """Sizes for a trace: each above 2 becomes 2 (``cpptrace.size_dependence`` has
-    shown that the traced node's ops and arguments are the same for any sizes of at
-    least 2), 0 and 1 stay."""
-    return [min(int(s), 2) for s in sizes]
-
-
-@dataclass(frozen=True)
-class Inputs:
-    """What a trace of one node needs, free of the capture's symbols and modes: the
-    functional, its call (``CppCall.detached``, forward outputs of small sizes), the
-    (dtype, device, small sizes) of its saved tensors and incoming grads."""
-
-    fn: Callable[..., Any]
-    call: CppCall
-    saved: tuple[Any, ...]  # (sizes, dtype, device) per saved tensor, or the value
-    grads: tuple[tuple[list[int], torch.dtype, torch.device] | None, ...]  # None: undefined
-    constants: tuple[tuple[str, Any], ...] = ()  # saved values CA hashed: constants of the graph
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return self.call.keys
-
-    def values(self, numbers: dict[str, Any]) -> list[Any]:
-        """The saved values, in the call's order: ``numbers`` for the saved numbers,
-        the capture's value for each hashed one."""
-        constants = dict(self.constants)
-        return [numbers[k] if k in numbers else constants[k] for k in self.keys]
-
-    @staticmethod
-    def of(
-        fn: Callable[..., Any], call: CppCall, undefined: Sequence[bool] = (), constants: dict[str, Any] | None = None
-    ) -> "Inputs":
-        """``undefined``: which incoming grads are None in the capture (the backward
-        then gets an undefined grad there, as in every run of its graph);
-        ``constants``: the saved values CA hashed, by key (the graph is CA's for
-        them: its cache key holds them)."""
-        saved = tuple(
-            (_small(size_hints(t)[0]), t.dtype, t.device) if isinstance(t, torch.Tensor) else t
-            for t in call.saved
-        )
-        grads = [(_small(t.shape), t.dtype, t.device) for t in call.incoming_grads()]
-        # output_info: the forward outputs' sizes, which an undefined grad is made of
-        detached = call.detached().with_output_sizes([g[0] for g in grads])
-        none = tuple(undefined) or (False,) * len(grads)
-        grads_ = tuple(None if u else g for g, u in zip(grads, none))
-        return Inputs(fn, detached, saved, grads_, tuple((constants or {}).items()))
-
-    def record(self, numbers: Sequence[Any]) -> tuple[list[_Op], Exception | None]:
-        """The ops the backward runs with these saved numbers, on real tensors of at
-        most 2 elements a dimension: C++ kernels on a few elements cost a few
-        microseconds an op, where fake or meta tensors' Python dispatch costs 100."""
-        recorder = _Recorder()
-        with real_tensors_only(), torch.no_grad():
-            # Watched: a read of their sizes is an op of the recording (_metadata_read).
-            saved = [SizeWatched(torch.zeros(s[0], dtype=s[1], device=s[2])) if isinstance(s, tuple) else s for s in self.saved]
-            grads = [None if g is None else SizeWatched(torch.zeros(g[0], dtype=g[1], device=g[2])) for g in self.grads]
-            try:
-                with recorder:
-                    self.call.call(self.fn, grads, values=numbers, saved=saved)
-            except Exception as e:  # noqa: BLE001 - the caller refuses: the safe side
-                return recorder.ops, e
-        return recorder.ops, None
 
 
 _CACHE: dict[tuple[Any, ...], Plan] = {}
@@ -275,13 +182,14 @@ def same(a: Any, b: Any) -> bool:
 
 def _plan(inputs: Inputs, kinds: dict[str, str]) -> Plan:
     sentinels = [values(kinds, 0), values(kinds, 1)]
-    traces = []
-    for chosen in sentinels:
-        ops, error = inputs.record(inputs.values(chosen))
-        if error is not None:
-            return Plan(False, f"its backward did not run on sentinel values ({exception_line(error)})")
-        traces.append(ops)
-    first, second = traces
+    recordings = []
+    for which, chosen in enumerate(sentinels):
+        recording = inputs.record(inputs.values(chosen), dtypes=which == 0)
+        if recording.error is not None:
+            return Plan(False, f"its backward did not run on sentinel values ({exception_line(recording.error)})")
+        recordings.append(recording)
+    first, second = (r.ops() for r in recordings)
+    dtypes = recordings[0].dtypes or {}
     if [op for op, _ in first] != [op for op, _ in second]:
         at = next((i for i, (a, b) in enumerate(zip(first, second)) if a[0] != b[0]), min(len(first), len(second)))
         return Plan(False, f"the ops it runs depend on saved values (op {at} differs between two sentinel traces: a branch)")
@@ -289,6 +197,7 @@ def _plan(inputs: Inputs, kinds: dict[str, str]) -> Plan:
         refusal = _unseen_by_verify(op)
         if refusal:
             return Plan(False, refusal)
+    ops = [op for op, _ in first]
     template = []
     derived: list[tuple[int, int, str]] = []
     for index, ((op, a_leaves), (_, b_leaves)) in enumerate(zip(first, second)):
@@ -301,25 +210,79 @@ def _plan(inputs: Inputs, kinds: dict[str, str]) -> Plan:
             if slot_a is not None or slot_b is not None:
                 if slot_a != slot_b:
                     return Plan(False, f"argument {position - 1} of {op} is computed from a saved value ({a!r}, then {b!r})")
-                refusal = _placement(op, a_leaves, position, slot_a)
+                refusal = _placement(op, a_leaves, position, slot_a, dtypes)
                 if refusal:
                     return Plan(False, refusal)
                 leaves.append(slot_a)
+            elif position and (_is_origin(a) or _is_origin(b)):
+                refusal = _flow(op, index, position, a, b, ops)
+                if refusal:
+                    return Plan(False, refusal)
+                leaves.append(a)
             elif same(a, b):
                 leaves.append(a)
             else:
                 kind = _number_kind(a, b)
-                refusal = _derived_placement(op, a_leaves, position, kind, a, b)
+                refusal = _derived_placement(op, a_leaves, position, kind, a, b, dtypes)
                 if refusal:
                     return Plan(False, refusal)
                 derived.append((index, position, kind))
                 leaves.append(Derived(kind, len(derived) - 1))
         template.append((op, tuple(leaves)))
+    returned, returned_b = recordings[0].returned(), recordings[1].returned()
+    for i, (a, b) in enumerate(zip(returned, returned_b)):
+        if a != b:
+            return Plan(False, (
+                f"which tensor it returns as gradient {i} depends on saved values ({describe(a, ops)} with "
+                f"one sentinel set, {describe(b, ops)} with the other)"
+            ))
+        if a == UNKNOWN:
+            return Plan(False, f"it returns as gradient {i} {describe(a)}, made outside dispatch: the recording cannot see its data")
     used = sorted({leaf.key for _, leaves in template for leaf in leaves if isinstance(leaf, Slot)})
     reason = "uses its saved numbers only as op arguments: " + (", ".join(used) or "none")
     if derived:
         reason += f", and {len(derived)} value{'s' if len(derived) > 1 else ''} computed from them (lifted per new value)"
-    return Plan(True, reason, tuple(template), dict(kinds), tuple(derived))
+    return _with_flat(Plan(True, reason, tuple(template), dict(kinds), tuple(derived), returned), recordings[0])
+
+
+def _is_origin(leaf: Any) -> bool:
+    """A tensor's origin (``recording``): the only tuple among an op's leaves after
+    the kwargs names, since lists and tuples are flattened."""
+    return type(leaf) is tuple
+
+
+def _flow(op: Any, index: int, position: int, a: Any, b: Any, ops: Sequence[Any]) -> str:
+    """Why a tensor argument cannot be traced, or '': it must come from the same
+    place with both sentinel sets, and from a recorded op or an input."""
+    where = f"argument {position - 1} of {op} (op {index})"
+    if a != b:
+        return (
+            f"which tensor it passes as {where} depends on saved values ({describe(a, ops)} with one sentinel "
+            f"set, {describe(b, ops)} with the other)"
+        )
+    if a == UNKNOWN:
+        return f"{where} is {describe(a)} (from_blob, a pointer, a global): the recording cannot see its data"
+    return ""
+
+
+def _with_flat(plan_: Plan, recording: Recording) -> Plan:
+    """``plan_`` with its flat template (see ``Plan``) from sentinel set 0's recording."""
+    flat = list(recording.flat)
+    types = [type(leaf) for leaf in flat]
+    slots, derived_at = [], [0] * len(plan_.derived)
+    for (_, leaves), start in zip(plan_.template, recording.starts):
+        for position, leaf in enumerate(leaves):
+            at = start + 1 + position
+            if type(leaf) is Slot:
+                slots.append((at, leaf.key, leaf.as_float))
+                types[at] = float if leaf.as_float or leaf.kind is opaque.FLOAT else int
+            elif type(leaf) is Derived:
+                derived_at[leaf.index] = at
+                types[at] = int if leaf.kind is opaque.INT else float
+    numbers = {at for at, *_ in slots} | set(derived_at)
+    zeros = tuple(at for at, leaf in enumerate(flat) if type(leaf) is float and leaf == 0.0 and at not in numbers)
+    plan_.flat, plan_.slots_at, plan_.derived_at, plan_.types, plan_.zeros_at = flat, tuple(slots), tuple(derived_at), types, zeros
+    return plan_
 
 
 def _number_kind(a: Any, b: Any) -> str | None:
@@ -332,15 +295,23 @@ def _number_kind(a: Any, b: Any) -> str | None:
     return None
 
 
-def _derived_placement(op: Any, leaves: tuple[Any, ...], position: int, kind: str | None, a: Any, b: Any) -> str:
+def _floating_self(leaves: tuple[Any, ...], dtypes: dict[Any, torch.dtype]) -> bool:
+    """The op's first argument is a floating-point tensor (``leaves[0]`` is the
+    kwargs names, so argument 0 is ``leaves[1]``)."""
+    dtype = dtypes.get(leaves[1]) if len(leaves) > 1 and _is_origin(leaves[1]) else None
+    return dtype is not None and dtype.is_floating_point
+
+
+def _derived_placement(
+    op: Any, leaves: tuple[Any, ...], position: int, kind: str | None, a: Any, b: Any, dtypes: dict[Any, torch.dtype]
+) -> str:
     """Why an argument computed from the saved numbers cannot be lifted, or ''."""
     computed = f"argument {position - 1} of {op} is computed from a saved value ({a!r}, then {b!r})"
     if kind is None:
         return computed + ", and is not an int or a double"
     if kind is opaque.INT:
         return ""
-    self_ = leaves[1] if len(leaves) > 1 else None
-    if op in REWRITES and position == 2 and isinstance(self_, _Tensor) and self_.dtype.is_floating_point:
+    if op in REWRITES and position == 2 and _floating_self(leaves, dtypes):
         return ""
     return computed + (
         ", a double where the backend would specialise it (only the scalar of mul/add/sub/div/pow on a "
@@ -373,13 +344,12 @@ def _unseen_by_verify(op: Any) -> str:
     return ""
 
 
-def _placement(op: Any, leaves: tuple[Any, ...], position: int, slot: Slot) -> str:
+def _placement(op: Any, leaves: tuple[Any, ...], position: int, slot: Slot, dtypes: dict[Any, torch.dtype]) -> str:
     """Why a saved number cannot be made dynamic where it is, or ''. ``leaves[0]`` is
     the kwargs names, so an op's argument ``i`` is ``leaves[i + 1]``."""
     if slot.kind is opaque.INT and not slot.as_float:
         return ""  # a symbolic int graph input: Dynamo guards it if it must
-    self_ = leaves[1] if len(leaves) > 1 else None
-    if op in REWRITES and position == 2 and isinstance(self_, _Tensor) and self_.dtype.is_floating_point:
+    if op in REWRITES and position == 2 and _floating_self(leaves, dtypes):
         return ""
     what = "int cast to double" if slot.as_float else "double"
     return (
@@ -390,14 +360,39 @@ def _placement(op: Any, leaves: tuple[Any, ...], position: int, slot: Slot) -> s
 
 def check(plan_: Plan, inputs: Inputs, new: dict[str, int | float]) -> tuple[str, tuple[int | float, ...]]:
     """('', the derived values) when the backward, run with ``new``, does exactly
-    what the template says with those values; else (what differs, ())."""
-    ops, error = inputs.record(inputs.values(new))
-    if error is not None:
-        return f"its backward raised ({exception_line(error)})", ()
+    what the template says with those values: the same ops, the same arguments (the
+    new values in the slots), the same tensors by origin, the same tensors returned;
+    else (what differs, ())."""
+    recording = inputs.record(inputs.values(new))
+    if recording.error is not None:
+        return f"its backward raised ({exception_line(recording.error)})", ()
+    flat = recording.flat
+    if len(flat) == len(plan_.flat):
+        expected = plan_.flat.copy()
+        for at, key, as_float in plan_.slots_at:
+            expected[at] = float(new[key]) if as_float else new[key]
+        for at in plan_.derived_at:
+            expected[at] = flat[at]
+        if flat == expected and list(map(type, flat)) == plan_.types and _signs_agree(plan_, flat, expected):
+            return "", tuple(flat[at] for at in plan_.derived_at)
+    return _difference(plan_, recording, new)
+
+
+def _signs_agree(plan_: Plan, flat: list[Any], expected: list[Any]) -> bool:
+    """The zeros among the floats compared equal have the same sign."""
+    zeros = [*plan_.zeros_at, *(at for at, *_ in plan_.slots_at if type(expected[at]) is float and expected[at] == 0.0)]
+    return all(math.copysign(1.0, flat[at]) == math.copysign(1.0, expected[at]) for at in zeros)
+
+
+def _difference(plan_: Plan, recording: Recording, new: dict[str, int | float]) -> tuple[str, tuple[int | float, ...]]:
+    """``check``'s slow path, leaf by leaf: what differs first (('', derived) if
+    nothing does: a NaN compares unequal in the flat comparison, equal here)."""
+    ops = recording.ops()
     if len(ops) != len(plan_.template):
         at = next((i for i, (a, b) in enumerate(zip(ops, plan_.template)) if a[0] != b[0]), None)
         first = "" if at is None else f" (op {at} is {ops[at][0]}, not {plan_.template[at][0]})"
         return f"it runs {len(ops)} ops instead of {len(plan_.template)}{first}", ()
+    names = [op for op, _ in plan_.template]
     derived: list[int | float] = []
     for index, ((op, leaves), (t_op, t_leaves)) in enumerate(zip(ops, plan_.template)):
         if op != t_op or len(leaves) != len(t_leaves):
@@ -411,12 +406,23 @@ def check(plan_: Plan, inputs: Inputs, new: dict[str, int | float]) -> tuple[str
                     return f"argument {position - 1} of {op} is {leaf!r}, not a {expected.kind}", ()
                 derived.append(leaf)
                 continue
+            if position and _is_origin(expected):
+                if leaf != expected:
+                    return (
+                        f"argument {position - 1} of {op} (op {index}) is {describe(leaf, names)}, "
+                        f"not {describe(expected, names)}"
+                    ), ()
+                continue
             if kind is Slot:
                 value = new[expected.key]
                 expected = float(value) if expected.as_float else value
             if not same(leaf, expected):
                 return f"argument {position - 1} of {op} is {leaf!r}, not {expected!r}", ()
-    return "", tuple(derived)
+    returned = recording.returned()
+    for i, (got, expected) in enumerate(zip(returned, plan_.returned)):
+        if got != expected:
+            return f"it returns {describe(got, names)} as gradient {i}, not {describe(expected, names)}", ()
+    return "", tuple(derived)  # in Derived.index order: the plan numbered them in this walk's order
 
 
 class NodesOfOps(TorchDispatchMode):
@@ -437,25 +443,30 @@ class NodesOfOps(TorchDispatchMode):
         return out
 
 
+def unplaceable(plan_: Plan, nodes: Sequence[torch.fx.Node | None]) -> str:
+    """Why the capture's trace of a node (``nodes``, from ``NodesOfOps``) does not
+    line up with its template, so its computed values cannot be placed, or ''."""
+    if not plan_.derived:
+        return ""
+    if len(nodes) != len(plan_.template):
+        return f"the capture traced {len(nodes)} ops where the sentinel traces ran {len(plan_.template)}"
+    missing = next((i for i, _, _ in plan_.derived if nodes[i] is None), None)
+    return "" if missing is None else f"op {missing} of its trace made no graph node"
+
+
 def rewrite_derived(
     plan_: Plan,
     nodes: Sequence[torch.fx.Node | None],
     value_for: Callable[[Derived], torch.fx.Node],
 ) -> None:
     """Each Derived argument of the template, at its op's node (``nodes``, from
-    ``NodesOfOps``), becomes ``value_for(derived)``: an int the graph's symbolic
-    scalar, a double (an ``X.Scalar`` op's scalar, the op switched to ``X.Tensor``) a
-    0-dim float64 tensor."""
-    if len(nodes) != len(plan_.template):
-        raise RuntimeError(
-            f"ca_dynsaved: the capture traced {len(nodes)} ops where the sentinel traces ran "
-            f"{len(plan_.template)}; this node's computed values cannot be placed"
-        )
+    ``NodesOfOps``, which ``unplaceable`` accepted), becomes ``value_for(derived)``:
+    an int the graph's symbolic scalar, a double (an ``X.Scalar`` op's scalar, the op
+    switched to ``X.Tensor``) a 0-dim float64 tensor."""
     for op_index, position, kind in plan_.derived:
         node = nodes[op_index]
+        assert node is not None
         derived = plan_.template[op_index][1][position]
-        if node is None:
-            raise RuntimeError(f"ca_dynsaved: op {op_index} of a traced node made no graph node")
         value = value_for(derived)
         if kind is opaque.FLOAT:  # placement: argument 1 of an X.Scalar op
             node.target = REWRITES[node.target]
@@ -465,7 +476,7 @@ def rewrite_derived(
 
 
 def _replace_leaf(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, value: Any) -> tuple[Any, Any]:
-    """``args``/``kwargs`` with leaf ``position`` (as ``_leaves_of`` counts leaves after
+    """``args``/``kwargs`` with leaf ``position`` (as ``recording`` counts leaves after
     the kwargs names) replaced by ``value``."""
     count = [0]
 

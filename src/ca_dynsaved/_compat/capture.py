@@ -4,7 +4,8 @@ Touches: ``torch._dynamo.compiled_autograd`` (``AutogradCompilerInstance``, ``_e
 ``_disable``, ``ops``, ``disable_proxy_modes_tracing``, ``active_disable_ctx``), its C++ half
 ``torch._C._dynamo.compiled_autograd`` (the cache), ``torch._dynamo.external_utils.
 call_backward``, ``torch._dynamo.utils.counters``, ``Tensor.grad_dtype``,
-``torch._C._is_alias_of``, ``allocate_dummy`` (an unpacked tensor's stand-in). Releases:
+``torch._C._is_alias_of``, ``allocate_dummy`` (an unpacked tensor's stand-in), the
+assertions of ``CppNode::compiled_args`` and the ``CppFunction`` node type. Releases:
 the same on 2.11 to 2.15 (``grad_dtype``: set by 2.15's FSDP2 mixed precision, None
 elsewhere).
 """
@@ -57,6 +58,50 @@ def stock_ca(compiler_fn: Callable[..., Any]) -> Any:
 def no_ca() -> Any:
     """Plain autograd inside a block, even within a CA context: the eager reference."""
     return ca._disable()
+
+
+#: What stock CA's collection asserts on a C++ custom function it cannot collect
+#: (``CppNode::compiled_args`` in ``torch/csrc/autograd/custom_function.h``, 2.11 to
+#: 2.15), before any node of the backward runs.
+_UNCOLLECTABLE = {
+    "ctx_.non_differentiable_.empty()": "a C++ custom function calls mark_non_differentiable",
+    "ctx_.dirty_inputs_.empty()": "a C++ custom function calls mark_dirty",
+}
+
+
+def uncollectable_reason(error: BaseException) -> str:
+    """Why CA could not collect a backward's graph, from the error its collection
+    raised ('' for any other error): nothing of the backward has run then."""
+    text = str(error)
+    if "INTERNAL ASSERT FAILED" not in text:
+        return ""
+    return next((why for assertion, why in _UNCOLLECTABLE.items() if assertion in text), "")
+
+
+#: The Python type of every C++ custom function's autograd node.
+_CPP_NODE = "CppFunction"
+
+
+def custom_nodes(roots: Any) -> list[str]:
+    """The names of the C++ custom-function nodes below ``roots`` (tensors), each
+    once: the candidates when CA cannot collect a graph (its error names none)."""
+    names: dict[str, None] = {}
+    seen: set[Any] = set()
+    stack = [getattr(r, "grad_fn", None) for r in roots if isinstance(r, torch.Tensor)]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == _CPP_NODE:
+            names[node.name()] = None
+        stack.extend(m for m, _ in node.next_functions)
+    return list(names)
+
+
+def node_name(node: Any) -> str | None:
+    """A C++ custom-function node's name (they share one Python type), else None."""
+    return node.name() if type(node).__name__ == _CPP_NODE else None
 
 
 def call_backward(ctx: Any, saved_tensors: list[Any], *grads: Any) -> tuple[Any, ...]:
