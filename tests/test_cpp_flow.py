@@ -17,9 +17,6 @@ import ca_dynsaved
 import cpp_programs as cp
 from helpers import Counts, assert_grads_equal, counts, stock_enable
 
-#: The every-release subset (README, "Supported torch releases").
-pytestmark = pytest.mark.every_release
-
 X, Y, G0, G1 = 0, 1, 2, 3  # the registers a program starts with
 PICK_SIGN, PICK_BIG, PICK_PARITY, ORDER_SIGN, MUL, FROM_BLOB, CLAMP_BIG, SAVED_PARITY = 0, 1, 2, 4, 10, 18, 23, 30
 SWAP_SIGN, SWAP_BIG = 1, 2
@@ -76,7 +73,8 @@ ROWS = {
 }
 
 
-@pytest.mark.parametrize("row", ROWS)
+@pytest.mark.parametrize("row", [pytest.param(r, marks=pytest.mark.every_release) if r == "tensor picked by sign" else r
+                                 for r in ROWS])
 @pytest.mark.parametrize("trace_cpp", [False, True], ids=["default", "trace_cpp"])
 def test_value_driven_flow_runs_opaque(ext, row, trace_cpp):
     """The sentinel plan compares where every tensor comes from: a flow that depends
@@ -120,7 +118,8 @@ BEYOND_SENTINELS = {
 }
 
 
-@pytest.mark.parametrize("case", BEYOND_SENTINELS)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.every_release) if c == "tensor picked" else c
+                                  for c in BEYOND_SENTINELS])
 def test_verify_compares_the_flow(ext, case):
     """Both sentinels take the template's flow; the step whose k is above both
     (2,000,000) takes another, which verify's recording shows: that step runs with
@@ -135,6 +134,7 @@ def test_verify_compares_the_flow(ext, case):
     assert (name.endswith("<ProgramFn>"), values["k"], refused) == (True, 2_000_000, reason)
 
 
+@pytest.mark.every_release  # the differential check (README, "Supported torch releases")
 def test_a_tag_check_is_caught_by_the_differential_check(ext):
     """``v.isInt() ? v.toInt() : 1000``: under the symbolic probe neither number is
     read, so the probe calls it a symbolic reader, and its trace holds 1000 and 0.5.
@@ -158,6 +158,7 @@ def test_a_tag_check_is_caught_by_the_differential_check(ext):
     assert (_counter("differential_checks"), _counter("differential_refusals")) == (1, 1)
 
 
+@pytest.mark.every_release
 def test_a_saved_type_change_is_a_clear_error(ext):
     """The same key saved as an int, then as a double: CA's cache key does not hold
     the type, so the second step reaches the graph captured for an int. It raises
@@ -171,16 +172,20 @@ def test_a_saved_type_change_is_a_clear_error(ext):
         with ca_dynsaved.enable(backend="aot_eager"):
             got = step(v, True)
         assert_grads_equal(got, step(v, True))
-    with pytest.raises(TypeError) as raised, ca_dynsaved.enable(backend="aot_eager"):
+    with pytest.raises(ca_dynsaved.SavedTypeChangedError) as raised, ca_dynsaved.enable(backend="aot_eager"):
         step(2.5, False)
     assert str(raised.value) == (
         "ca_dynsaved: torch::autograd::CppNode<TypeSwitchFn>'s saved 'v' was an int at capture and is a double "
         "now (2.5): compiled autograd keeps one graph for both types, so its graph cannot take it. Save it as "
         "one type in the forward (static_cast<double>(...) every time)."
     )
+    assert (raised.value.owner, raised.value.kind, raised.value.value) == (
+        "torch::autograd::CppNode<TypeSwitchFn>'s saved 'v'", "int", 2.5
+    )
     assert counts().captures == 1
 
 
+@pytest.mark.every_release  # _compat.capture reads CA's assertion
 @pytest.mark.parametrize("dirty", [False, True], ids=["mark_non_differentiable", "mark_dirty"])
 def test_what_stock_cannot_collect_runs_as_plain_autograd(ext, dirty):
     """A scatter_max-like function (values, and the argmax marked non-differentiable;

@@ -9,7 +9,7 @@ import inspect
 import pytest
 
 import ca_dynsaved
-from ca_dynsaved import _compat, outputs
+from ca_dynsaved import _compat, outputs, runtime
 from ca_dynsaved.report import Report
 
 CONFIG_NAMES = [name for name in ca_dynsaved.__all__ if name.startswith("CONFIG_")]
@@ -31,7 +31,7 @@ def test_public_names_listed():
     assert set(ca_dynsaved.__all__) >= {
         "enable", "report", "reset", "reset_report", "install", "uninstall", "off_reason", "self_check",
         "CONFIG_FLAG", "CONFIG_PYTHON_POLICY", "CONFIG_TRACE_CPP", "CONFIG_VERIFY", "CONFIG_CPP_POLICY",
-        "UndefinedGradError", "UnsupportedTorchError", "UntestedTorchWarning",
+        "UndefinedGradError", "UnsupportedTorchError", "UntestedTorchWarning", "SavedTypeChangedError",
     }
     assert len(CONFIG_NAMES) == 5
     for name in ca_dynsaved.__all__:
@@ -40,6 +40,7 @@ def test_public_names_listed():
 
 def test_errors_exported_as_themselves():
     assert ca_dynsaved.UndefinedGradError is outputs.UndefinedGradError
+    assert ca_dynsaved.SavedTypeChangedError is runtime.SavedTypeChangedError
     assert ca_dynsaved.UnsupportedTorchError is _compat.UnsupportedTorchError
     assert ca_dynsaved.UntestedTorchWarning is _compat.UntestedTorchWarning
 

@@ -71,6 +71,7 @@ from ._install import (  # noqa: E402
 from ._compat import UnsupportedTorchError, UntestedTorchWarning  # noqa: E402
 from .enable import enable  # noqa: E402
 from .outputs import UndefinedGradError  # noqa: E402
+from .runtime import SavedTypeChangedError  # noqa: E402
 from .report import report, reset_report  # noqa: E402
 
 __version__ = "0.1.0"
@@ -89,6 +90,7 @@ __all__ = [
     "off_reason",
     "self_check",
     "UndefinedGradError",
+    "SavedTypeChangedError",
     "UnsupportedTorchError",
     "UntestedTorchWarning",
 ]

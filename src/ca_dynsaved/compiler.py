@@ -215,42 +215,20 @@ class DynSavedCompilerInstance(StockCompilerInstance):
     def _trace_checked(
         self, fn: Callable[..., Any], grads: Any, call: CppCall, plan: CppTrace | SentinelTrace, undefined: tuple[bool, ...]
     ) -> tuple[list[Any], list[torch.fx.Node]] | str:
-        """Record the C++ backward's ATen ops (``cpptrace.trace``), its lifted values in
-        place (``CppTrace``: it reads them symbolically; ``SentinelTrace``: it ran with
-        sentinels, swapped for the lifted and computed values), then the differential
-        check (``differential.py``). Returns (the outputs CA gets, the region), or why
-        the check refused it: then the region is gone and the node runs opaque."""
+        """Record the C++ backward's ATen ops (``cpptrace.trace``: ``CppTrace`` reads its
+        numbers symbolically; ``_trace_sentinels``), then the differential check
+        (``differential.py``). Returns (the outputs CA gets, the region), or why the
+        node cannot run traced: then the region is gone and the node runs opaque."""
         graph = self.fx_tracer.graph
-        sentinels = isinstance(plan, SentinelTrace)
-        if sentinels or plan.floats:  # type: ignore[union-attr]
+        if isinstance(plan, SentinelTrace) or plan.floats:
             self._packed_scalar_proxies()  # the packed tensors' nodes, before the ops
-        before = len(graph.nodes)
-        around = None
-        if sentinels:
-            numbers = sentinel.values(plan.plan.kinds, 0)  # type: ignore[union-attr]
-            around = sentinel.NodesOfOps(graph) if plan.plan.derived else None  # type: ignore[union-attr]
-            outs, out_nodes = cpptrace.trace(self, fn, grads, call, values=plan.inputs.values(numbers), around=around)  # type: ignore[union-attr]
+        if isinstance(plan, SentinelTrace):
+            outs, out_nodes, region, check, refusal = self._trace_sentinels(fn, grads, call, plan)
         else:
+            before = len(graph.nodes)
             outs, out_nodes = cpptrace.trace(self, fn, grads, call)
-        region = list(graph.nodes)[before:]
-        slots: tuple[tuple[tuple[int, int], ...], ...] = ((), ())
-        check = None
-        refusal = ""
-        if sentinels:
-            symbols = dict(zip(call.keys, call.values))
-            sentinel.rewrite(
-                region,
-                plan.plan.kinds,  # type: ignore[union-attr]
-                lambda slot: self._packed_value_node(symbols[slot.key].node, slot.as_float),
-                lambda slot: self.to_proxy(symbols[slot.key]).node,
-            )
-            refusal = sentinel.unplaceable(plan.plan, around.nodes if around is not None else [])  # type: ignore[union-attr]
-            if not refusal:
-                slots = self._place_derived(plan.plan, around.nodes if around is not None else [])  # type: ignore[union-attr]
-                if plan.verify:  # type: ignore[union-attr]
-                    check = self._check(fn, grads, call, plan, region, out_nodes, slots)  # type: ignore[arg-type]
-        if not refusal:
-            refusal = self._differential(fn, call, plan, check, undefined, region, out_nodes, grads)
+            region, check, refusal = list(graph.nodes)[before:], None, ""
+        refusal = refusal or self._differential(fn, call, plan, check, undefined, region, out_nodes, grads)
         if refusal:
             for node in reversed(region):
                 graph.erase_node(node)
@@ -259,17 +237,46 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         # backend tensorifies (one the rewrite feeds from the packed tensor is never
         # read by Dynamo at all).
         self._dynamic_sources.extend(f"L['scalars'][{index}]" for index in plan.scalars)
-        if sentinels:
-            self._last_region = region
-            if check is not None:
-                self._checks.append(check)
-                # its inputs stay in the graph for its fallback (runtime.Fallback),
-                # which also needs the validation of its outputs (validate_outputs)
-                fb = self._awaiting_validation = check.fallback
-                graph.call_function(runtime.keep_alive, (*fb.grads, *fb.saved))
-        else:
-            self._traced_floats |= plan.floats  # type: ignore[union-attr]
+        if isinstance(plan, CppTrace):
+            self._traced_floats |= plan.floats
+            return outs, region
+        self._last_region = region
+        if check is not None:
+            self._checks.append(check)
+            # its inputs stay in the graph for its fallback (runtime.Fallback), which
+            # also needs the validation of its outputs (validate_outputs)
+            fb = self._awaiting_validation = check.fallback
+            graph.call_function(runtime.keep_alive, (*fb.grads, *fb.saved))
         return outs, region
+
+    def _trace_sentinels(
+        self, fn: Callable[..., Any], grads: Any, call: CppCall, plan: SentinelTrace
+    ) -> tuple[list[Any], list[Any], list[torch.fx.Node], "runtime.Check | None", str]:
+        """Trace a plain reader with the sentinels in place of its saved numbers, then
+        swap them, and the values it computes from them, for the lifted ones (read at
+        the graph's head). Returns (the outputs CA gets, the output nodes, the
+        region, verify's check or None, why the trace and its template do not line
+        up, or '')."""
+        numbers = sentinel.values(plan.plan.kinds, 0)
+        graph = self.fx_tracer.graph
+        ops = sentinel.NodesOfOps(graph) if plan.plan.derived else None
+        before = len(graph.nodes)
+        outs, out_nodes = cpptrace.trace(self, fn, grads, call, values=plan.inputs.values(numbers), around=ops)
+        region = list(graph.nodes)[before:]  # before the rewrite adds reads at the head
+        symbols = dict(zip(call.keys, call.values))
+        sentinel.rewrite(
+            region,
+            plan.plan.kinds,
+            lambda slot: self._packed_value_node(symbols[slot.key].node, slot.as_float),
+            lambda slot: self.to_proxy(symbols[slot.key]).node,
+        )
+        nodes = ops.nodes if ops is not None else []
+        refusal = sentinel.unplaceable(plan.plan, nodes)
+        if refusal:
+            return outs, out_nodes, region, None, refusal
+        slots = self._place_derived(plan.plan, nodes)
+        check = self._check(fn, grads, call, plan, region, out_nodes, slots) if plan.verify else None
+        return outs, out_nodes, region, check, ""
 
     def _check(
         self, fn: Callable[..., Any], grads: Any, call: CppCall, plan: SentinelTrace, region: list[torch.fx.Node],
@@ -309,14 +316,15 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         derived_ints, derived_floats = [0] * self._derived[0], [0.0] * self._derived[1]
         if isinstance(plan, SentinelTrace):
             inputs = plan.inputs
-            numbers = {k: scalars[self._lifted[v.node].index] for k, v in zip(call.keys, call.values) if k in plan.plan.kinds}
+            index = {k: self._lifted[v.node].index for k, v in zip(call.keys, call.values) if k in plan.plan.kinds}
+            numbers = {k: scalars[i] for k, i in index.items()}
             if check is not None:
                 if check.refusal(scalars):
                     numbers = sentinel.values(plan.plan.kinds, 0)
                     check.derived = sentinel.check(plan.plan, inputs, numbers)[1]
                 check.place(derived_ints, derived_floats)
                 for key, number in numbers.items():
-                    scalars[self._lifted[dict(zip(call.keys, call.values))[key].node].index] = number
+                    scalars[index[key]] = number
             values = inputs.values(numbers)
         else:
             inputs = recording.Inputs.of(fn, call, undefined)

@@ -66,58 +66,114 @@ def describe(origin: Any, ops: Sequence[Any] = ()) -> str:
 class _Recorder(RecordingMode):
     """Appends each op to ``flat`` (its start to ``starts``), its tensors as their
     origins; runs it on the wrapped tensors and wraps its results, each a new origin.
-    One Python dispatch an op: verify runs this once per new tuple of values."""
+    One Python dispatch an op, verify's per-op cost: kept to plain loops, the common
+    cases (a tensor or a number argument, one tensor result) first."""
 
-    def __init__(self, origins: dict[int, Any], alive: list[Any]) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.flat: list[Any] = []
         self.starts: list[int] = []
-        self.origins = origins  # id(wrapper) -> origin
-        self.alive = alive  # every wrapper, so that no id is reused while recording
+        self.origins: dict[int, Any] = {}  # id(wrapper) -> origin
+        # origin -> (its wrapper, dtype, device), kept from one recording to the next
+        # of the same inputs: a wrapper's sizes are read through Python (the inner
+        # tensor's), so one of the same dtype and device takes the new result as it
+        # is, without a new wrapper (a third of a recording's cost); not one that a
+        # view op made (autograd made it a view: it cannot be made one again). Each
+        # origin's wrapper is distinct, so no id is reused while recording.
+        self.shells: dict[Any, tuple[Any, torch.dtype, torch.device]] = {}
+
+    def start(self, inputs: dict[int, Any]) -> dict[int, Any]:
+        """A new recording, the inputs' origins (by id) known; returns the origins."""
+        self.flat, self.starts, self.origins = [], [], dict(inputs)
+        return self.origins
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        flat = self.flat
-        self.starts.append(len(flat))
+        flat, starts, origins = self.flat, self.starts, self.origins
+        op = len(starts)
+        starts.append(len(flat))
         flat.append(func)
         if kwargs:
             flat.append(tuple(kwargs))
             args = self._leaves(args)
-            out = func(*args, **dict(zip(kwargs, self._leaves(kwargs.values()))))
+            out = func._op(*args, **dict(zip(kwargs, self._leaves(kwargs.values()))))
         else:
             flat.append(())
-            out = func(*self._leaves(args))
-        return self._watched(out, len(self.starts) - 1, [0])
+            unwrapped = []  # _leaves, inlined for the top level
+            for value in args:
+                kind = type(value)
+                if kind is SizeWatched:
+                    flat.append(origins.get(id(value), UNKNOWN))
+                    unwrapped.append(value.inner)
+                elif kind is list or kind is tuple:
+                    flat.append(len(value))
+                    unwrapped.append(kind(self._leaves(value)))
+                else:
+                    flat.append(UNKNOWN if isinstance(value, torch.Tensor) else value)
+                    unwrapped.append(value)
+            out = func._op(*unwrapped)
+        if type(out) is torch.Tensor:  # _shell, inlined for the common case
+            origin = (op, 0)
+            found = self.shells.get(origin)
+            if found is not None and out.dtype is found[1] and out.device == found[2] and not found[0]._is_view():
+                wrapper = found[0]
+                wrapper.inner = out
+            else:
+                wrapper = _wrap(out)
+                self.shells[origin] = (wrapper, out.dtype, out.device)
+            origins[id(wrapper)] = origin
+            return wrapper
+        return self._watched(out, op, [0])
+
+    def _shell(self, t: torch.Tensor, origin: Any) -> SizeWatched:
+        """``t`` wrapped, as ``origin``: in the wrapper that origin had in the last
+        recording when it fits."""
+        found = self.shells.get(origin)
+        if found is not None and t.dtype is found[1] and t.device == found[2] and not found[0]._is_view():
+            wrapper = found[0]
+            wrapper.inner = t
+        else:
+            wrapper = _wrap(t)
+            self.shells[origin] = (wrapper, t.dtype, t.device)
+        self.origins[id(wrapper)] = origin
+        return wrapper
 
     def _leaves(self, values: Any) -> list[Any]:
         """``values`` unwrapped, their leaves appended to ``flat`` in one walk (ATen
         arguments nest only lists and tuples). Cheaper than pytree."""
-        flat, out = self.flat, []
+        flat, origins, out = self.flat, self.origins, []
         for value in values:
             kind = type(value)
             if kind is SizeWatched:
-                flat.append(self.origins.get(id(value), UNKNOWN))
-                value = value.inner
+                flat.append(origins.get(id(value), UNKNOWN))
+                out.append(value.inner)
             elif kind is list or kind is tuple:
                 flat.append(len(value))
-                value = kind(self._leaves(value))
-            elif isinstance(value, torch.Tensor):
-                flat.append(UNKNOWN)
+                out.append(kind(self._leaves(value)))
             else:
-                flat.append(value)
-            out.append(value)
+                flat.append(UNKNOWN if isinstance(value, torch.Tensor) else value)
+                out.append(value)
         return out
 
     def _watched(self, value: Any, op: int, count: list[int]) -> Any:
         if isinstance(value, torch.Tensor):
-            wrapper = SizeWatched(value)
-            self.origins[id(wrapper)] = (op, count[0])
-            self.alive.append(wrapper)
             count[0] += 1
-            return wrapper
+            return self._shell(value, (op, count[0] - 1))
         kind = type(value)
         if kind is list or kind is tuple:
             return kind(self._watched(v, op, count) for v in value)
         return value
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass  # type: ignore[attr-defined]
+
+
+def _wrap(t: torch.Tensor) -> SizeWatched:
+    """``SizeWatched(t)``, without its ``__new__``'s frame (once per op result)."""
+    wrapper = _make_wrapper(
+        SizeWatched, t.shape, strides=t.stride(), dtype=t.dtype, device=t.device, dispatch_sizes_strides_policy="sizes"
+    )
+    wrapper.inner = t
+    return wrapper
 
 
 @dataclass
@@ -140,6 +196,13 @@ class Recording:
     def returned(self) -> tuple[Any, ...]:
         """The origin of each tensor the backward returned (None: undefined)."""
         return tuple(self.flat[self.end + 1 :])
+
+
+_INTERNED: dict[tuple[Any, str], "Inputs"] = {}
+
+
+def clear() -> None:
+    _INTERNED.clear()
 
 
 def _small(sizes: Sequence[int]) -> list[int]:
@@ -168,6 +231,8 @@ class Inputs:
     def values(self, numbers: dict[str, Any]) -> list[Any]:
         """The saved values, in the call's order: ``numbers`` for the saved numbers,
         the capture's value for each hashed one."""
+        if not self.constants:
+            return [numbers[k] for k in self.keys]
         constants = dict(self.constants)
         return [numbers[k] if k in numbers else constants[k] for k in self.keys]
 
@@ -188,7 +253,12 @@ class Inputs:
         detached = call.detached().with_output_sizes([g[0] for g in grads])
         none = tuple(undefined) or (False,) * len(grads)
         grads_ = tuple(None if u else g for g, u in zip(grads, none))
-        return Inputs(fn, detached, saved, grads_, tuple((constants or {}).items()))
+        inputs = Inputs(fn, detached, saved, grads_, tuple((constants or {}).items()))
+        # One per distinct layout: the nodes of a layer's worth of one function share
+        # it, so their recordings, one after the other in a step, reuse one set of
+        # tensors and wrappers, warm in the caches (half a recording's cost in a step).
+        key = (fn, repr((detached, saved, grads_, inputs.constants)))
+        return _INTERNED.setdefault(key, inputs)
 
     def tensors(self, make: Callable[[list[int], torch.dtype, torch.device], torch.Tensor]) -> tuple[list[Any], list[Any]]:
         """(saved, incoming grads) made by ``make(sizes, dtype, device)``: a saved
@@ -200,28 +270,53 @@ class Inputs:
         """The backward on these tensors with these saved values (in the call's order)."""
         return self.call.call(self.fn, grads, values=values, saved=saved)
 
-    def record(self, values: Sequence[Any], dtypes: bool = False) -> Recording:
-        """The recording of the backward with these saved values on zeros of the
-        small sizes (its data is never read: a backward whose ops read data is
-        refused); ``dtypes``: also note each origin's dtype (the plan asks)."""
-        origins: dict[int, Any] = {}
-        alive: list[Any] = []
+    def _prepared(self) -> tuple[list[Any], list[Any], dict[int, Any], "_Recorder", tuple[Any, ...], tuple[Any, ...]]:
+        """(saved, incoming grads, their origins by id, the recorder, the call's
+        arguments before and after the saved values): made once, reused by every
+        recording. The inputs are zeros of the small sizes, each ``SizeWatched``.
+        Their data is never read (a backward whose ops read data is refused) and what
+        a backward does to them is recorded, so a recording cannot depend on an
+        earlier one's in-place writes except through ops it records."""
+        made = self.__dict__.get("_made")
+        if made is None:
+            origins: dict[int, Any] = {}
 
-        def watched(origin: Any, sizes: list[int], dtype: torch.dtype, device: torch.device) -> SizeWatched:
-            wrapper = SizeWatched(torch.zeros(sizes, dtype=dtype, device=device))
-            origins[id(wrapper)] = origin
-            alive.append(wrapper)
-            return wrapper
+            def watched(origin: Any, sizes: list[int], dtype: torch.dtype, device: torch.device) -> SizeWatched:
+                with real_tensors_only():
+                    wrapper = SizeWatched(torch.zeros(sizes, dtype=dtype, device=device))
+                origins[id(wrapper)] = origin
+                return wrapper
 
-        recorder = _Recorder(origins, alive)
-        with real_tensors_only(), torch.no_grad():
             saved = [watched(saved_origin(i), *s) if isinstance(s, tuple) else s for i, s in enumerate(self.saved)]
             grads = [None if g is None else watched(grad_origin(j), *g) for j, g in enumerate(self.grads)]
-            try:
-                with recorder:
-                    out = self.run(values, saved, grads)
-            except Exception as e:  # noqa: BLE001 - the caller refuses: the safe side
-                return Recording(recorder.flat, recorder.starts, len(recorder.flat), e)
+            # the functional's arguments: (grads, keys, *values, saved, *tail); C++
+            # copies the lists it is given, so one of each serves every call
+            around = ((grads, list(self.keys)), (saved, *self.call.tail))
+            made = self.__dict__["_made"] = (saved, grads, origins, _Recorder(), *around)
+        return made
+
+    def record(self, values: Sequence[Any], dtypes: bool = False) -> Recording:
+        """The recording of the backward with these saved values on zeros of the
+        small sizes; ``dtypes``: also note each origin's dtype (the plan asks)."""
+        saved, grads, inputs, recorder, head, tail = self._prepared()
+        origins = recorder.start(inputs)
+        # verify runs in the runtime wrapper: no mode on torch's stack, grad off
+        outside = real_tensors_only() if torch._C._len_torch_dispatch_stack() else None
+        grad_on = torch.is_grad_enabled()
+        if outside is not None:
+            outside.__enter__()
+        if grad_on:
+            torch._C._set_grad_enabled(False)
+        try:
+            with recorder:
+                out = self.fn(*head, *values, *tail)
+        except Exception as e:  # noqa: BLE001 - the caller refuses: the safe side
+            return Recording(recorder.flat, recorder.starts, len(recorder.flat), e)
+        finally:
+            if grad_on:
+                torch._C._set_grad_enabled(True)
+            if outside is not None:
+                outside.__exit__(None, None, None)
         flat = recorder.flat
         end = len(flat)
         flat.append(RETURNS)
@@ -229,5 +324,6 @@ class Inputs:
             flat.append(None if t is None else origins.get(id(t), UNKNOWN) if type(t) is SizeWatched else UNKNOWN)
         recording = Recording(flat, recorder.starts, end)
         if dtypes:
-            recording.dtypes = {origins[id(w)]: w.dtype for w in alive}
+            wrappers = [*saved, *grads, *(w for w, _, _ in recorder.shells.values())]
+            recording.dtypes = {origin: w.dtype for w in wrappers if (origin := origins.get(id(w)))}
         return recording

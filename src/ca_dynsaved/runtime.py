@@ -69,7 +69,7 @@ class Packer:
         self._floats = _picker([i for i, kind in enumerate(self.kinds) if kind is not opaque.INT])
 
     def check_types(self, values: Sequence[Any]) -> None:
-        """Raise ``SavedTypeChanged`` for the first lifted value whose type is not its
+        """Raise ``SavedTypeChangedError`` for the first lifted value whose type is not its
         type at capture (CA's cache key does not hold it; an int64 slot would
         truncate a float, and a bool is no int here): before the graph runs."""
         if len(values) != len(self.kinds):
@@ -79,7 +79,7 @@ class Packer:
         if _ONLY_INT.issuperset(map(type, self._ints(values))) and _ONLY_FLOAT.issuperset(map(type, self._floats(values))):
             return
         index, value = next((i, v) for i, v in enumerate(values) if type(v) is not (int if self.kinds[i] is opaque.INT else float))
-        raise SavedTypeChanged(self.owners.get(index, f"lifted scalar {index}"), self.kinds[index], value)
+        raise SavedTypeChangedError(self.owners.get(index, f"lifted scalar {index}"), self.kinds[index], value)
 
     def __call__(
         self, values: list[Any], derived_ints: Sequence[int] = (), derived_floats: Sequence[float] = ()
@@ -102,11 +102,29 @@ class Packer:
         ]
 
 
-class SavedTypeChanged(TypeError):
-    """A lifted saved value whose type is not its type at capture: an int at capture,
-    a double now, or the other way round. CA's cache key does not hold the type, so
-    CA hands the step to the graph captured for the other type, which cannot take it;
-    raised before anything runs."""
+class SavedTypeChangedError(TypeError):
+    """A C++ function's saved number has another type than at capture.
+
+    Raised before the backward's graph runs (nothing has run) when a ``saved_data``
+    key the plugin lifted was an int at capture and is a double now, or the other way
+    round: compiled autograd's cache key does not hold the type, so CA hands the step
+    to the graph captured for the other type, which cannot take it. The message names
+    the node, the key, both types and the fix: save the key as one type in the
+    forward (``static_cast<double>(...)`` every time).
+
+    Args:
+        owner: the node and key, as "Fn's saved 'k'".
+        kind: its kind at capture ("int" or "float").
+        value: its value now.
+
+    Example::
+
+        try:
+            with ca_dynsaved.enable():
+                loss.backward()
+        except ca_dynsaved.SavedTypeChangedError as e:
+            print(e.owner, e.kind, e.value)
+    """
 
     def __init__(self, owner: str, kind: str, value: Any) -> None:
         was = "an int" if kind is opaque.INT else "a double"
@@ -191,8 +209,8 @@ def keep_alive(*nodes: Any) -> None:
 torch.fx.node.has_side_effect(keep_alive)
 
 
-#: verify results kept per plan (a step counter makes one a step; a tuple that comes
-#: back after this many others is checked again).
+#: verify results kept per plan, the least recently used dropped first (a step counter
+#: makes one a step; a tuple that comes back after this many others is checked again).
 CHECKED_LIMIT = 256
 
 
@@ -215,20 +233,24 @@ class Check:
         # what the check's result depends on besides the values: the plan (whose cache
         # it is) and the small tensors' layout
         self._layout = repr((self.inputs.saved, self.inputs.grads))
+        self._pick = _picker(self.indices)
 
     def refusal(self, scalars: Sequence[Any]) -> str:
         """'' if these scalars' values may run traced; else why not (cached per tuple,
-        shared by the nodes of one plan; NaN keys by repr, as a NaN is unequal to
-        itself). Sets ``derived``: the values the backward computes from them, which
-        the graph takes as inputs."""
-        values = tuple(scalars[i] for i in self.indices)
-        key = (self._layout, tuple(repr(v) if isinstance(v, float) else v for v in values))
-        found = self.plan.checked.get(key)
-        if found is None:
+        shared by the nodes of one plan; a float keyed by repr: -0.0 is not 0.0, and
+        a NaN is unequal to itself). Sets ``derived``: the values the backward
+        computes from them, which the graph takes as inputs."""
+        values = self._pick(scalars)
+        key = (self._layout, *[repr(v) if type(v) is float else v for v in values])
+        checked = self.plan.checked
+        found = checked.get(key)
+        if found is not None:
+            checked.move_to_end(key)  # the newest again: values that keep coming back stay
+        else:
             counters["ca_dynsaved"]["verify_traces"] += 1
-            found = self.plan.checked[key] = sentinel.check(self.plan, self.inputs, dict(zip(self.keys, values)))
-            if len(self.plan.checked) > CHECKED_LIMIT:  # values new every step: keep the newest
-                del self.plan.checked[next(iter(self.plan.checked))]
+            found = checked[key] = sentinel.check(self.plan, self.inputs, dict(zip(self.keys, values)))
+            if len(checked) > CHECKED_LIMIT:  # values new every step: keep the newest
+                checked.popitem(last=False)
             if found[0]:
                 # The report keeps it (CaptureRecord.refused); never the user's WARNING log.
                 log.info("ca_dynsaved: %s with saved %s runs opaque this step: %s", self.name, self.named(values), found[0])
@@ -366,7 +388,7 @@ def make_runtime_wrapper(
     ``unpacks``: the graph's checkpoint unpacks, whose ``like`` tensors each run
     appends to the scalars (a run that cannot describe them takes the stock twin),
     learned on the first run, which is eager. A lifted value whose type is not its
-    capture's raises before anything runs (``SavedTypeChanged``)."""
+    capture's raises before anything runs (``SavedTypeChangedError``)."""
     compiled: list[Callable[..., Any]] = []  # set once every node has run
     # Only a Python opaque node and a checkpoint unpack run under the caller's
     # dispatch keys: read them then.

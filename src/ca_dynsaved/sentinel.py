@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -47,6 +48,7 @@ from ._compat.dynamo import exception_line
 from ._compat.symbolic import TorchDispatchMode
 from . import opaque
 from .cpptrace import REWRITES
+from . import recording
 from .recording import UNKNOWN, Inputs, Recording, describe
 
 
@@ -106,7 +108,9 @@ class Plan:
     zeros_at: tuple[int, ...] = ()
     # verify's results, shared by every node of this plan: (its inputs' layout, values)
     # -> (refusal, derived values); a layer's worth of one function checks a tuple once
-    checked: dict[tuple[Any, ...], tuple[str, tuple[Any, ...]]] = field(default_factory=dict, compare=False, repr=False)
+    checked: OrderedDict[tuple[Any, ...], tuple[str, tuple[Any, ...]]] = field(
+        default_factory=OrderedDict, compare=False, repr=False
+    )
 
     def derived_of(self, kind: str) -> list[int]:
         """The node's derived values of ``kind`` (their ``Derived.index``), in order."""
@@ -119,6 +123,7 @@ _CACHE: dict[tuple[Any, ...], Plan] = {}
 def clear() -> None:
     _CACHE.clear()
     _WARNED.clear()
+    recording.clear()
 
 
 def plan(name: str, inputs: Inputs, kinds: dict[str, str], warn: bool = False) -> Plan:
@@ -379,9 +384,16 @@ def check(plan_: Plan, inputs: Inputs, new: dict[str, int | float]) -> tuple[str
 
 
 def _signs_agree(plan_: Plan, flat: list[Any], expected: list[Any]) -> bool:
-    """The zeros among the floats compared equal have the same sign."""
-    zeros = [*plan_.zeros_at, *(at for at, *_ in plan_.slots_at if type(expected[at]) is float and expected[at] == 0.0)]
-    return all(math.copysign(1.0, flat[at]) == math.copysign(1.0, expected[at]) for at in zeros)
+    """The zeros among the floats compared equal have the same sign (``-0.0 == 0.0``):
+    the template's float constants that are zero, and the double slots given a zero."""
+    for at in plan_.zeros_at:
+        if math.copysign(1.0, flat[at]) != math.copysign(1.0, expected[at]):
+            return False
+    for at, _, _ in plan_.slots_at:
+        value = expected[at]
+        if value == 0.0 and type(value) is float and math.copysign(1.0, flat[at]) != math.copysign(1.0, value):
+            return False
+    return True
 
 
 def _difference(plan_: Plan, recording: Recording, new: dict[str, int | float]) -> tuple[str, tuple[int | float, ...]]:
