@@ -69,10 +69,13 @@ def stock_enable(
     )
 
 
-def stock_counts(step_fn: Callable[[int], tuple[Any, ...]], steps: int) -> Counts:
+def stock_counts(
+    step_fn: Callable[[int], tuple[Any, ...]], steps: int, enable: Callable[[], Any] = stock_enable
+) -> Counts:
     """Stock CA's counts for ``steps`` steps of ``step_fn`` (each checked against
-    eager), then a fresh process's state again for what the test runs next."""
-    run_loop(step_fn, stock_enable, steps=steps)
+    eager; ``enable``: stock's context), then a fresh process's state again for what
+    the test runs next."""
+    run_loop(step_fn, enable, steps=steps)
     found = counts()
     ca_dynsaved.reset()
     counters.clear()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 import ca_dynsaved
 from ca_dynsaved import decision, reuse
-from helpers import Counts, counts, leaf_grad_step, run_loop, stock_enable
+from helpers import Counts, counts, leaf_grad_step, run_loop, stock_counts, stock_enable
 
 #: The every-release subset (README, "Supported torch releases").
 pytestmark = pytest.mark.every_release
@@ -32,6 +34,10 @@ def _config_step(fn):
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("variant", ["traceable", "opaque"])
 def test_four_combinations_one_compile(ext, backend, variant):
+    """Hashed values only (no saved numbers). Non-traceable: every capture opaque,
+    one compiled graph reused. Traceable: the first capture's combination as stock
+    traces it (fused, the values constants); the 3 later ones opaque and uncompiled
+    (eager) until their capture's run SPECIALISE_AFTER_RUNS, which 2 runs never reach."""
     results = run_loop(
         _config_step(getattr(ext, f"config_{variant}")),
         lambda: ca_dynsaved.enable(backend=backend, fullgraph=True),
@@ -42,8 +48,55 @@ def test_four_combinations_one_compile(ext, backend, variant):
     assert all(not torch.allclose(grads[i], grads[j]) for i in range(4) for j in range(i))
     assert counts() == Counts(captures=4, compiles=1, graph_breaks=0)
     plugin = torch._dynamo.utils.counters["ca_dynsaved"]
-    assert (plugin["reuse_misses"], plugin["reuse_hits"]) == (1, 3)
-    assert [c.compiled for c in ca_dynsaved.report().captures] == ["compiled"] + ["reused"] * 3
+    captures = ca_dynsaved.report().captures
+    if variant == "opaque":
+        assert (plugin["reuse_misses"], plugin["reuse_hits"]) == (1, 3)
+        assert [c.compiled for c in captures] == ["compiled"] + ["reused"] * 3
+        return
+    assert (plugin["reuse_misses"], plugin["reuse_hits"], plugin["held_eager_runs"]) == (0, 0, 6)
+    assert [(n.handling, n.reason) for c in captures for n in c.nodes] == [("stock", decision.HASHED_ONLY)] + [
+        ("opaque", f"no saved ints or doubles; {decision._LATER_COMBINATION}: {decision._tiered()}")
+    ] * 3
+
+
+def test_hashed_only_never_changing_is_stock(ext):
+    """Hashed values that never change: stock's counts and stock's graph (the graph
+    Dynamo hands the backend, so inductor fuses what it fuses under stock; no opaque
+    op), eager's gradients."""
+    step = leaf_grad_step(lambda x, i: ext.config_traceable(x, *_args(1)))
+    codes: dict[str, list[str]] = {"stock": [], "plugin": []}
+
+    def seen(into: list[str]):  # the backend: records the graph Dynamo gives it
+        def backend(gm, example_inputs):  # type: ignore[no-untyped-def]
+            # symbols and bound functions are numbered per process
+            into.append(re.sub(r"\b(s|\w*cpp_?node\w*?)\d+\b", r"\1", gm.code, flags=re.IGNORECASE))
+            return torch._dynamo.backends.registry.lookup_backend("aot_eager")(gm, example_inputs)
+
+        return backend
+
+    stock = stock_counts(step, 4, lambda: stock_enable(backend=seen(codes["stock"]), fullgraph=True))
+    run_loop(step, lambda: ca_dynsaved.enable(backend=seen(codes["plugin"]), fullgraph=True), steps=4)
+    assert counts() == stock == Counts(captures=1, compiles=1, graph_breaks=0)
+    assert len(codes["plugin"]) == 1 and codes["plugin"] == codes["stock"]
+    (node,) = ca_dynsaved.report().captures[0].nodes
+    assert (node.handling, node.reason) == ("stock", decision.HASHED_ONLY)
+    keys = ca_dynsaved.report().functions[node.name].keys.values()
+    assert {(k.handling, k.fix) for k in keys} == {("stock", "")}  # no rewrite advised
+    assert all("a constant of the node's traced graph" in k.reason for k in keys)
+    assert torch._dynamo.utils.counters["ca_dynsaved"]["opaque_nodes"] == 0
+
+
+def test_hashed_only_cycling_compiles_as_stock(ext, monkeypatch):
+    """4 combinations in turn: the later ones get their own graph (stock's trace) at
+    their capture's run SPECIALISE_AFTER_RUNS: 4 compiles in all, stock's count."""
+    monkeypatch.setattr(decision, "SPECIALISE_AFTER_RUNS", 3)
+    step = _config_step(ext.config_traceable)
+    stock = stock_counts(step, 16)
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager", fullgraph=True), steps=16)
+    assert counts() == stock == Counts(captures=4, compiles=4, graph_breaks=0)
+    assert [c.specialised for c in ca_dynsaved.report().captures] == [0, 3, 3, 3]
+    plugin = torch._dynamo.utils.counters["ca_dynsaved"]
+    assert (plugin["specialised_captures"], plugin["held_eager_runs"]) == (3, 6)
 
 
 @pytest.mark.parametrize("variant", ["traceable", "opaque"])
@@ -66,8 +119,14 @@ def test_list_length_that_changes_outputs_is_a_new_compile(ext, variant):
         return (x.grad,)
 
     run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=6)
-    assert counts() == Counts(captures=2, compiles=2, graph_breaks=0)
-    assert [c.compiled for c in ca_dynsaved.report().captures] == ["compiled", "compiled"]
+    if variant == "opaque":
+        assert counts() == Counts(captures=2, compiles=2, graph_breaks=0)
+        assert [c.compiled for c in ca_dynsaved.report().captures] == ["compiled", "compiled"]
+        return
+    # traceable: the first capture's combination as stock traces it; the later one
+    # opaque and uncompiled before its capture's run SPECIALISE_AFTER_RUNS
+    assert counts() == Counts(captures=2, compiles=1, graph_breaks=0)
+    assert [n.handling for c in ca_dynsaved.report().captures for n in c.nodes] == ["stock", "opaque"]
 
 
 def test_cache_never_mixes_structures(ext):

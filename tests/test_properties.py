@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ca_dynsaved
-from ca_dynsaved import UndefinedGradError
-from helpers import Counts, assert_grads_equal, counts
+from ca_dynsaved import UndefinedGradError, probe, runtime
+from helpers import Counts, assert_grads_equal, counts, this_release
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 SUBNORMAL = 5e-324
@@ -158,18 +158,68 @@ class PyScaleFn(torch.autograd.Function):
         return grad + len(ctx.mode), None, None, None, None
 
 
+def _python_compiles(seen: list[tuple[int, float, bool, str]]) -> int:
+    """PyScaleFn's compiles over the steps ``seen``, as the plugin decides them. With
+    ctx.flag, the backward multiplies by ``ctx.k % 1000``, which the backend cannot
+    compile dynamic (the probe refuses it: opaque from the capture where the first
+    step has the flag, else each such combination uncompiled: runtime.Combinations);
+    without it, traced: Dynamo compiles each str once, and once more where ctx.s is a
+    NaN (it specialises NaN)."""
+    if seen[0][2]:
+        return 1  # opaque: one compile, from the capture's second run
+    return len({(mode, s != s) for _, s, flag, mode in seen if not flag})
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_python_ctx_values(backend):
+    """ctx.flag and ctx.mode from small sets (each str a compile, as stock: a str new
+    at every step is test_guarded_combinations_are_capped's), the numbers anything."""
     step = _leaf_grad(PyScaleFn.apply)
     ints = st.one_of(int64s, st.integers(-(2**100), 2**100))  # beyond int64 too
+    seen: list[tuple[int, float, bool, str]] = []
 
     @SEARCH
-    @given(_steps(st.tuples(ints, floats, st.booleans(), texts)))
+    @given(_steps(st.tuples(ints, floats, st.booleans(), st.sampled_from(["square", "", "sq"]))))
     def search(values_list):
         _check_steps(step, values_list, backend)
-        assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+        seen.extend(values_list)
+        assert counts() == Counts(captures=1, compiles=_python_compiles(seen), graph_breaks=0)
 
     search()
+
+
+def test_guarded_combinations_are_capped():
+    """A str new at every step: MAX_GUARDED_COMBINATIONS of them compile (Dynamo's
+    guard, as stock), later ones run the graph uncompiled; the report says so."""
+    step = _leaf_grad(PyScaleFn.apply)
+    limit = runtime.MAX_GUARDED_COMBINATIONS
+    _check_steps(step, [(3, 0.5 + i, False, f"mode{i}") for i in range(limit + 3)])
+    assert counts() == Counts(captures=1, compiles=limit, graph_breaks=0)
+    assert torch._dynamo.utils.counters["ca_dynsaved"]["guarded_eager_runs"] == 3
+    (capture,) = ca_dynsaved.report().captures
+    assert [values for values, _ in capture.eager_combinations] == [
+        {"ctx.flag": False, "ctx.mode": f"mode{i}"} for i in range(limit, limit + 3)
+    ]
+    assert {reason for _, reason in capture.eager_combinations} == {
+        f"the capture has compiled {limit} combinations of them"
+    }
+
+
+def test_guarded_combination_the_probe_refuses_runs_uncompiled():
+    """ctx.flag off at the capture: traced. Its first step with the flag on takes the
+    branch with ``ctx.k % 1000``, which the backend cannot compile with k dynamic
+    (stock CA fails there: BackendCompilerFailed); the probe refuses that
+    combination before Dynamo sees it, and it runs uncompiled. Eager's gradients."""
+    step = _leaf_grad(PyScaleFn.apply)
+    _check_steps(step, [(3, 0.5, False, "square"), (4, 0.6, True, "square"), (5, 0.7, True, "square"), (6, 0.8, False, "square")])
+    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+    assert torch._dynamo.utils.counters["ca_dynsaved"]["guarded_eager_runs"] == 2
+    (capture,) = ca_dynsaved.report().captures
+    ((values, reason),) = capture.eager_combinations
+    assert values == {"ctx.flag": True, "ctx.mode": "square"}
+    words = this_release({"2.11": "through Python arithmetic", "2.12": "through Python arithmetic", "2.13": probe.CANNOT_REBUILD,
+                          "2.14": probe.CANNOT_REBUILD, "2.15": probe.CANNOT_REBUILD})
+    assert reason.startswith("PyScaleFn: ctx.") and "reaches aten.mul.Tensor" in reason and words in reason
 
 
 @pytest.mark.parametrize("kind", ["cpp", "python"])

@@ -13,7 +13,7 @@ import torch
 
 import ca_dynsaved
 from ca_dynsaved import probe
-from helpers import Counts, assert_grads_equal, counts, leaf_grad_step, run_loop, this_release
+from helpers import Counts, assert_grads_equal, counts, leaf_grad_step, run_loop, stock_counts, this_release
 from test_python_ctx import ScaleFn, pool
 
 #: The every-release subset (README, "Supported torch releases").
@@ -92,6 +92,25 @@ class FlagFn(torch.autograd.Function):
         return (-g if ctx.flag else g) * ctx.k, None, None
 
 
+class SmoothLossFn(torch.autograd.Function):
+    """A custom loss's backward: a float (beta) and a str (the reduction), as
+    ``ctx.eps`` and ``ctx.reduction = "mean"`` in user code."""
+
+    @staticmethod
+    def forward(ctx, x, beta, reduction):
+        ctx.beta, ctx.reduction = beta, reduction
+        ctx.save_for_backward(x)
+        return (torch.nn.functional.softplus(x * beta) / beta).sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        grad = g * torch.sigmoid(x * ctx.beta)
+        if ctx.reduction == "mean":
+            grad = grad / x.numel()
+        return grad, None, None
+
+
 class UnreadFlagFn(FlagFn):
     """Keeps a bool it never reads: nothing to guard."""
 
@@ -122,6 +141,17 @@ class ProductFn(_WithK):
         return g * (ctx.k * ctx.s), None, None
 
 
+class ModFn(_WithK):
+    """``ctx.k % 1000`` in the float math: the tensorify pass has no tensor form for
+    Python's modulo (``PythonMod``), so with the numbers dynamic the backend's compile
+    fails (stock CA: from its second step, once automatic dynamic makes them
+    dynamic); the probe sees it and runs the function opaque."""
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ((ctx.k % 1000 - 500) * ctx.s), None, None
+
+
 #: (handling, the reason's words) of ProductFn on this torch.
 _PRODUCT = this_release({
     "2.11": ("opaque", "through Python arithmetic"),
@@ -149,8 +179,24 @@ CASES = {
     "slice_bound": (lambda x, i: SliceFn.apply(x, i % 8, 0.5), "opaque", "ctx.k needs its value (guard (ctx.k >= 0) & (ctx.k <= 8))"),
     "int_cast": (lambda x, i: IntCastFn.apply(x, _k(i), 0.5), "opaque", "ctx.k needs its value (guard Eq(ctx.k, 7))"),
     "float_to_leaky_relu": (lambda x, i: LeakyFn.apply(x, 2, 0.1 * i), "opaque", "ctx.s (a float) reaches aten.leaky_relu.default"),
-    "reads_bool": (lambda x, i: FlagFn.apply(x, _k(i), i % 2 == 0), "opaque", "ctx.flag (a bool) is read"),
+    "python_mod": (
+        lambda x, i: ModFn.apply(x, _k(i), 0.5 - i / 4), "opaque",
+        this_release({"2.11": "through Python arithmetic", "2.12": "through Python arithmetic",
+                      "2.13": probe.CANNOT_REBUILD,
+                      "2.14": probe.CANNOT_REBUILD,
+                      "2.15": probe.CANNOT_REBUILD}),
+    ),
+    "reads_bool": (
+        lambda x, i: FlagFn.apply(x, _k(i), i % 2 == 0), "traced-dynamic",
+        "only reach tensor math: ctx.k; ctx.flag guarded by Dynamo as stock guards it (a compile per distinct value)",
+    ),
 }
+#: a case's compiles where not 1: a bool Dynamo guards, two values (stock: 3, as
+#: test_stock_recompiles_where_auto_does_not shows)
+COMPILES = {"reads_bool": 2}
+#: a case's probes where not 1: each combination of the bools / strs it reads
+#: (runtime.Combinations probes a new one before it compiles)
+PROBES = {"reads_bool": 2}
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -158,11 +204,11 @@ CASES = {
 def test_classification_and_one_compile(case, backend):
     apply, handling, words = CASES[case]
     run_loop(leaf_grad_step(apply), lambda: ca_dynsaved.enable(backend=backend, fullgraph=True))
-    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
+    assert counts() == Counts(captures=1, compiles=COMPILES.get(case, 1), graph_breaks=0)
     (node,) = ca_dynsaved.report().nodes
     assert node.handling == handling
     assert words in node.reason
-    assert torch._dynamo.utils.counters["ca_dynsaved"]["probes"] == 1
+    assert torch._dynamo.utils.counters["ca_dynsaved"]["probes"] == PROBES.get(case, 1)
 
 
 def test_stock_recompiles_where_auto_does_not():
@@ -170,7 +216,8 @@ def test_stock_recompiles_where_auto_does_not():
     and the branch on every value (until the recompile limit)."""
     # ProductFn: on 2.11 / 2.12 stock specialises ctx.s, to the recompile limit (8).
     product = this_release({"2.11": 8, "2.12": 8, "2.13": 2, "2.14": 2, "2.15": 2})
-    for case, want in (("tensor_math", 2), ("parity", 2), ("branch", 3), ("float_through_python_arithmetic", product)):
+    cases = (("tensor_math", 2), ("parity", 2), ("branch", 3), ("float_through_python_arithmetic", product), ("reads_bool", 3))
+    for case, want in cases:
         ca_dynsaved.reset()
         torch._dynamo.utils.counters.clear()
         run_loop(leaf_grad_step(CASES[case][0]), lambda: ca_dynsaved.enable(backend="aot_eager", python_policy="stock"))
@@ -266,3 +313,42 @@ def test_report_and_log_say_traced_or_opaque_and_why():
     text = str(rep)
     assert "ScaleFn: traced-dynamic, its ctx numbers only reach tensor math: ctx.k, ctx.scale" in text
     assert "GainBranchFn: opaque, ctx.k needs its value (guard ctx.k > 2)" in text
+
+
+#: (beta, reduction) per step: the str never changes; the float new every step and the str in turn
+LOSS_SCHEDULES = {
+    "never_change": lambda i: (0.75, "mean"),
+    "float_new_str_alternating": lambda i: (0.5 + i / 8, ("mean", "sum")[i % 2]),
+}
+
+
+@pytest.mark.parametrize("schedule", LOSS_SCHEDULES)
+def test_numbers_and_str_traced(schedule):
+    """A float and a str the backward reads: traced, the float dynamic from the first
+    compile and the str guarded by Dynamo as stock guards it: a compile per distinct
+    str (never change: 1, as stock; alternating: 2, where stock compiles 3, the
+    float's recompile added). Every step equals eager."""
+    values = LOSS_SCHEDULES[schedule]
+    step = leaf_grad_step(lambda x, i: SmoothLossFn.apply(x, *values(i)))
+    stock = stock_counts(step, 8)
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager", fullgraph=True), steps=8)
+    want = {"never_change": (1, 1), "float_new_str_alternating": (3, 2)}[schedule]
+    assert (stock.compiles, counts().compiles) == want
+    assert counts() == Counts(captures=1, compiles=want[1], graph_breaks=0) and stock.captures == 1
+    (node,) = ca_dynsaved.report().nodes
+    assert (node.handling, node.reason) == (
+        "traced-dynamic",
+        "its ctx numbers only reach tensor math: ctx.beta; ctx.reduction guarded by Dynamo as stock guards it "
+        "(a compile per distinct value)",
+    )
+
+
+def test_stock_fails_to_compile_where_the_probe_runs_opaque():
+    """The baseline of the python_mod case: stock CA compiles its first step (the
+    numbers constants), then fails in the backend once they are dynamic; the plugin
+    (test_classification_and_one_compile) runs every step."""
+    step = leaf_grad_step(CASES["python_mod"][0])
+    with torch._dynamo.compiled_autograd._enable(lambda gm: torch.compile(gm, backend="aot_eager")):
+        step(0)
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
+            step(1)

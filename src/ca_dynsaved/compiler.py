@@ -41,7 +41,7 @@ from ._compat.runtime_wrapper import sizes_made_once
 from ._compat.symbolic import size_hints
 from . import checkpoint, cpptrace, differential, opaque, recording, report, runtime, sentinel
 from .decision import (
-    OPAQUE, STOCK, TRACED, CppTrace, Decision, Lifted, OpaqueCall, Options, PythonTrace, SentinelTrace,
+    HASHED_ONLY, OPAQUE, STOCK, TRACED, CppTrace, Decision, Lifted, OpaqueCall, Options, PythonTrace, SentinelTrace,
     Tiered, decide_cpp, decide_python, opaque_cpp,
 )
 
@@ -147,6 +147,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         # checkpointed saved tensors: (stock's call_hook node, hooks index, packed_data index)
         self._unpack_calls: list[tuple[torch.fx.Node, int, int]] = []
         self._unpacks: checkpoint.Unpacks | None = None
+        self._guarded: list[runtime.GuardedNode] = []  # traced Python nodes that read bools / strs
         return out
 
     @_disable
@@ -188,6 +189,15 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         decision, call = decide_cpp(
             args, fn, fn_name in self._traceable, self.options, self._lifted, undefined, self.id
         )
+        if isinstance(decision.plan, Tiered) and decision.plan.traced is None:
+            # no saved numbers: stock's trace is its own graph's
+            graph = self.fx_tracer.graph
+            before = len(graph.nodes)
+            out = stock()
+            self._last_region = list(graph.nodes)[before:]
+            opaque_ = dataclasses.replace(decision, plan=decision.plan.opaque)
+            self._tier_pending = _Deferred(opaque_, list(grads), [], lambda: (), fn=fn, call=call, tier=decision.plan)
+            return out
         if isinstance(decision.plan, (CppTrace, SentinelTrace, Tiered)):
             assert call is not None
             plan = decision.plan.traced if isinstance(decision.plan, Tiered) else decision.plan
@@ -355,15 +365,19 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         assert pending is not None and pending.call is not None
         tier = pending.tier
         assert tier is not None
-        check = self._checks.pop() if tier.traced.verify else None
+        check = self._checks.pop() if tier.traced is not None and tier.traced.verify else None
         try:
             proxy_out = self._emit_opaque(pending, meta)
         except opaque.Unexpressible as e:
             # No opaque op for it: the capture's graph is the traced one, as for a
             # combination of the function's first capture.
-            traced_ = dataclasses.replace(
-                pending.decision, handling=TRACED, reason=f"traced with sentinels: {tier.traced.plan.reason} ({e})", plan=tier.traced
-            )
+            if tier.traced is None:
+                traced_ = pending.decision.demoted(f"{HASHED_ONLY} ({e})")
+            else:
+                traced_ = dataclasses.replace(
+                    pending.decision, handling=TRACED, reason=f"traced with sentinels: {tier.traced.plan.reason} ({e})",
+                    plan=tier.traced,
+                )
             self._record(traced_)
             if check is not None:
                 self._checks.append(check)
@@ -427,6 +441,11 @@ class DynSavedCompilerInstance(StockCompilerInstance):
             if isinstance(decision.plan, PythonTrace):
                 # Stock tracing, with the ctx numbers dynamic from the first compile.
                 self._dynamic_sources.extend(decision.plan.sources)
+                if decision.plan.guarded:  # each new combination probed before it compiles
+                    self._guarded.append(runtime.GuardedNode(
+                        decision.name, backward_idx, decision.plan.guarded, tuple(saved_tensors),
+                        tuple(m is not None for m in output_metadatas),
+                    ))
             return stock()
         # One metadata per forward input, None where the input was not a tensor;
         # C++ keeps the backward's outputs at the tensor positions only.
@@ -671,7 +690,8 @@ class DynSavedCompilerInstance(StockCompilerInstance):
             log.debug("capture !%d graph:\n%s", self.id, self._graph_module.code)
         # Before Dynamo's first compile of the graph, which its first call makes.
         mark_dynamic_scalars(self._graph_module.forward.__code__, self._dynamic_sources)
-        if not self._nodes and not self._capture.observes and not self._checks and self._unpacks is None:
+        combinations = runtime.Combinations(self._guarded, self._capture) if self._guarded else None
+        if not self._nodes and not self._capture.observes and not self._checks and self._unpacks is None and not combinations:
             return runtime_wrapper, compiled_fn
         if self._unpacks is not None:
             self._unpacks.stock_twin.meta.update(self._graph_module.meta)  # CA's locals to steal
@@ -683,7 +703,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         hold = runtime.Hold() if self._tiers else None
         wrapper = runtime.make_runtime_wrapper(
             runtime_wrapper, self._graph_module, *common, tuple(self._checks), derived, hold=hold,
-            unpacks=self._unpacks, fallback_base=self._fallback_base,
+            unpacks=self._unpacks, fallback_base=self._fallback_base, combinations=combinations,
         )
         if self._tiers:
             special = self._specialised
@@ -692,7 +712,9 @@ class DynSavedCompilerInstance(StockCompilerInstance):
             checks = (*self._checks, *(t.check for t in self._tiers if t.check is not None))
 
             def specialised(refused: Callable[..., Any]) -> Callable[..., Any]:
-                return runtime.make_runtime_wrapper(runtime_wrapper, special, *common, checks, derived, refused=refused)
+                return runtime.make_runtime_wrapper(
+                    runtime_wrapper, special, *common, checks, derived, refused=refused, combinations=combinations
+                )
 
             functions = tuple(dict.fromkeys(t.function for t in self._tiers))  # each once
             wrapper = runtime.tiered(wrapper, hold, specialised, special, self.compiler_fn, functions, self._capture)

@@ -19,6 +19,8 @@ The plans:
   (``COMBINATIONS``) (``sentinel``): traced with sentinels, rewritten to the lifted
   and computed values, each new tuple of values checked before the compiled graph
   uses it (``verify``: off only for a ``trace_cpp`` name with ``verify=False``);
+* ``Tiered``: a combination of a C++ function's hashed values first met after its
+  first capture: opaque while new, its own graph once it repeats;
 * ``PythonTrace``: stock CA traces it, its ctx numbers dynamic from the first
   compile (``pyctx``, ``probe``);
 * ``OpaqueCall``: one opaque op runs the backward with this step's values
@@ -103,19 +105,23 @@ class Tiered:
     """A later combination of a C++ function's hashed values (``COMBINATIONS``): the
     capture holds both ways to run the node, ``opaque`` (what runs first, sharing
     compiled code with the function's other later combinations) and ``traced`` (its
-    own graph, compiled once the capture has run ``SPECIALISE_AFTER_RUNS`` times:
-    ``runtime.tiered``)."""
+    own graph, traced with sentinels, or as stock traces it where it saves no numbers
+    (``traced`` None), compiled once the capture has run ``SPECIALISE_AFTER_RUNS``
+    times: ``runtime.tiered``)."""
 
     opaque: "OpaqueCall"
-    traced: SentinelTrace
+    traced: SentinelTrace | None  # None: no saved numbers, stock's trace
 
 
 @dataclass(frozen=True)
 class PythonTrace:
     """Stock CA traces the Python backward; ``sources``: its ctx numbers as Dynamo
-    names them (``L['hooks'][0].k``), dynamic from the first compile."""
+    names them (``L['hooks'][0].k``), dynamic from the first compile; ``guarded``:
+    the bools / strs / Nones it reads, which Dynamo guards (``runtime.Combinations``
+    probes each new combination of them before a compile)."""
 
     sources: tuple[str, ...]
+    guarded: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -202,11 +208,18 @@ def decide_cpp(
     hashed = {key: value for key, _, value, index in node.saved if index is None}
     if len(kinds) + len(hashed) != len(call.keys):
         return opaque_cpp(node, call, verdict.reason), call  # a saved value of no kind we take
-    if not kinds:
-        return opaque_cpp(node, call, verdict.reason), call  # hashed values only: they share code
     later = bool(hashed) and not COMBINATIONS.specialised(call.name, call.keys, repr(tuple(hashed.values())), capture)
     if later and not COMBINATIONS.may_specialise(call.name, call.keys):
         return opaque_cpp(node, call, f"{verdict.reason}; {_LATER_COMBINATION}: {_capped()}"), call
+    if not kinds:
+        # No numbers: nothing for the plugin to lift. Stock's trace, fused, its hashed
+        # values constants of the graph (stock's compile per combination) for the
+        # combinations of the function's first capture; a later one tiered as below,
+        # its own graph stock's trace.
+        if not later:
+            return dataclasses.replace(node, reason=HASHED_ONLY), call
+        first = opaque_cpp(node, call, f"{HASHED_ONLY_LATER}; {_LATER_COMBINATION}: {_tiered()}")
+        return dataclasses.replace(first, plan=Tiered(first.plan, None)), call  # type: ignore[arg-type]
     # A plain toInt()/toDouble() reader (or one with hashed values): traced with
     # sentinels if it passes its numbers only to ATen ops, each new value verified
     # unless the user opted it in and turned verify off (docs/cpp.md, "Why the
@@ -231,6 +244,9 @@ def decide_cpp(
 
 
 _LATER_COMBINATION = "its hashed values are a combination first met after the function's first capture"
+#: A traceable C++ function with no saved numbers (hashed values only, or nothing).
+HASHED_ONLY = "no saved ints or doubles: traced as stock traces it, its hashed values constants of the graph"
+HASHED_ONLY_LATER = "no saved ints or doubles"
 #: A later combination's capture runs opaque and uncompiled until its run number
 #: ``SPECIALISE_AFTER_RUNS``, which compiles its own graph, the node traced with these
 #: hashed values as constants (as stock CA compiles every combination at its first
@@ -356,7 +372,7 @@ def decide_python(
     if breaks is not None:
         return dataclasses.replace(opaque, reason=breaks)
     if has_numbers:
-        plan = PythonTrace(tuple(pyctx.dynamic_sources(ctx, hook)))
+        plan = PythonTrace(tuple(pyctx.dynamic_sources(ctx, hook)), verdict.guarded)
         return dataclasses.replace(node, handling=TRACED, reason=verdict.reason, plan=plan)
     return dataclasses.replace(
         node,

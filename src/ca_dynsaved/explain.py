@@ -18,15 +18,16 @@ from .decision import OPAQUE
 if TYPE_CHECKING:
     from .report import Report
 
-#: A key's handling: a lifted number the plugin keeps dynamic, a hashed value whose
-#: captures share compiled code, or (as its node's) opaque or stock.
+#: A key's handling: a number traced dynamic, a hashed value whose captures share
+#: compiled code, or (as its node's) opaque or stock.
 DYNAMIC, REUSED = "dynamic", "reused"
 
 
-def reason_and_fix(kind: str, key: str, type_: str, handling: str, node_reason: str, traced: bool) -> tuple[str, str]:
-    """(reason, fix) for one key; ``traced``: its function is traced with the key dynamic."""
+def reason_and_fix(kind: str, key: str, type_: str, handling: str, node_reason: str, chosen: bool) -> tuple[str, str]:
+    """(reason, fix) for one key; ``chosen``: its node is traced, or stock by the
+    plugin's choice (no saved numbers), not by the user's options."""
     scalar = type_ in ("int", "float")
-    if handling == DYNAMIC and traced and kind == "C++":
+    if handling == DYNAMIC and kind == "C++":
         return (
             "traced with the backward: an int is a symbolic graph input from the first "
             "compile (or, cast to double, read from the packed int64 tensor), a double "
@@ -39,17 +40,19 @@ def reason_and_fix(kind: str, key: str, type_: str, handling: str, node_reason: 
             "backward fuses with its neighbours)",
             "",
         )
-    if handling == DYNAMIC:
-        return "lifted by CA into the graph's scalars; the opaque op reads it at run time", ""
     if handling == REUSED:
         return (
             "hashed into CA's cache key: each new value is a new capture, whose graph "
             "shares the compiled code of an equal graph",
-            f"store it as an int to skip the recapture ({_int_form(type_)})",
+            "",
         )
     if handling == OPAQUE:
+        if kind == "C++" and scalar:
+            return "lifted by CA into the graph's scalars; the opaque op reads it at run time", ""
         return "read from the real ctx when the backward runs in the opaque op", ""
-    # stock
+    # stock: the node's, or a hashed value of a traced node, which Dynamo or CA
+    # specialises on as under stock CA (the plugin changes only what recompiles for
+    # numbers, and handles these combinations: docs/cpp.md, "Hashed values")
     if kind == "C++":
         if scalar:
             return (
@@ -57,29 +60,23 @@ def reason_and_fix(kind: str, key: str, type_: str, handling: str, node_reason: 
                 "value toInt()/toDouble() returns, one compile per value",
                 "read ints with toSymInt(), or let the plugin run the node opaque",
             )
+        if chosen:
+            return (
+                "hashed into CA's cache key, a constant of the node's traced graph, as under stock: "
+                "a new combination is a new capture, opaque until it repeats",
+                "",
+            )
         return (
             f"hashed into CA's cache key and the node kept stock tracing ({node_reason}): "
             "one capture and one compile per value",
-            f"store it as an int ({_int_form(type_)})",
+            "",
         )
     if scalar:
         return (
             f"the function kept stock tracing ({node_reason}): Dynamo guards on ctx.{key}",
             'use python_policy="auto" or "opaque" and do not exclude the function',
         )
-    return (
-        f"the function kept stock tracing ({node_reason}): Dynamo guards on ctx.{key}, "
-        "one compile per distinct value",
-        f"if it changes often, save it as an int (ctx.{key} = int(...)): a function "
-        "with an int attribute runs opaque",
-    )
-
-
-def _int_form(type_: str) -> str:
-    return {
-        "bool": "0/1, read with toInt()",
-        "str": "an int code for each string",
-    }.get(type_, "its entries as separate top-level ints, or a tensor")
+    return f"Dynamo guards on ctx.{key}, as stock: one compile per distinct value", ""
 
 
 # --- recompiles ----------------------------------------------------------------------
@@ -138,6 +135,8 @@ def format_table(rep: Report) -> str:
     for capture in rep.captures:
         for name, values, reason in capture.refused:
             notes.append(f"{name}: verify ran it opaque for saved {values}: {reason}")
+        for values, reason in capture.eager_combinations:
+            notes.append(f"capture !{capture.ca_id}: {values} run its graph uncompiled: {reason}")
     for record in rep.uncaptured:
         notes.append(f"backward of {', '.join(dict.fromkeys(record.nodes)) or 'a graph'}: {record.reason}")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

@@ -15,9 +15,10 @@ attributes are fresh symbols, and reads what that cost:
 * a guard (or a specialisation) on a symbol: the backward needs the value;
 * a symbolic float reaching an op the backends' tensorify pass cannot turn into a
   tensor op: the backend would specialise it (``leaky_relu(g, s)``, ``g ** s``);
-* a read of any other attribute that is no tensor (a bool, a str, a tuple): Dynamo
-  guards it by value, and the plugin keeps today's one compile for such functions
-  by running them opaque.
+* a read of any other attribute that is no tensor: a bool, a str or None is
+  guarded by Dynamo by value, as under stock CA (a compile per distinct value, the
+  numbers dynamic beside it); anything else (a tuple, a list, an object) makes the
+  verdict opaque.
 
 Its verdict is cached per function and ctx layout (attribute names and types), so
 a capture pays the probe (about 1-30 ms; 0.2 s for the first of a process) once. It
@@ -50,6 +51,7 @@ from ._compat.symbolic import (
     symbolic_probe_mode,
     tensorifiable_ops,
     tensorifies_python_arithmetic,
+    tensorify_interprets,
 )
 
 #: Stand-in values for the symbols: not 0 or 1 (which would be specialised), odd,
@@ -57,6 +59,12 @@ from ._compat.symbolic import (
 #: probe walks; any guard on a symbol makes the verdict opaque whichever it is.
 INT_HINT, FLOAT_HINT = 7, 0.37
 _INT64 = (-(2**63), 2**63 - 1)
+
+#: The types of a ctx attribute a traced backward may read besides its numbers:
+#: Dynamo guards each by value, as it does under stock CA (a compile per distinct
+#: value, as stock; the numbers dynamic beside them). Others (a tuple, a list, an
+#: object) keep the function opaque.
+GUARDED_AS_STOCK = (bool, str, type(None))
 
 #: Around a probe's run (a decorator): the probes expect some stand-in runs to fail,
 #: and what torch logs about those goes to the plugin's log at DEBUG, never the
@@ -71,6 +79,7 @@ class Verdict:
     traced: bool
     reason: str  # what decided it, for the report and the log
     attribute: str | None = None  # the attribute behind an opaque verdict
+    guarded: tuple[str, ...] = ()  # the bools / strs / Nones a traced backward read
 
 
 _CACHE: dict[tuple[Any, ...], Verdict] = {}
@@ -88,12 +97,18 @@ def verdict(ctx: Any, saved: Sequence[Any], tensor_inputs: tuple[bool, ...]) -> 
     """The verdict for this node's function and ctx layout, probing on a miss.
     ``saved`` are the capture's (fake) saved tensors of the call; ``tensor_inputs``
     says which forward inputs were tensors (may get a gradient)."""
-    key = (*ctx_layout(ctx), tensor_inputs, dynamo_specializes_floats())
+    key = (*ctx_layout(ctx), hashed_values(ctx), tensor_inputs, dynamo_specializes_floats())
     found = _CACHE.get(key)
     if found is None:
         counters["ca_dynsaved"]["probes"] += 1
         found = _CACHE[key] = _decide(ctx, vars(ctx), saved, tensor_inputs)
     return found
+
+
+def hashed_values(ctx: Any) -> tuple[tuple[str, Any], ...]:
+    """The ctx's bools, strs and Nones, by name: a backward may branch on them, so
+    the probe's run holds for this combination of them only."""
+    return tuple((name, value) for name, value in vars(ctx).items() if type(value) in GUARDED_AS_STOCK)
 
 
 def ctx_layout(ctx: Any) -> tuple[Any, ...]:
@@ -147,11 +162,17 @@ class _StandIn:
         return value
 
 
+#: Why a float expression the tensorify pass has no tensor form for is refused.
+CANNOT_REBUILD = "which this torch's tensorify pass cannot rebuild: the backend's compile would fail"
+
+
 class _FloatUses(TorchDispatchMode):
     """Notes each op a symbolic float depending on the run's symbols reaches, unless
-    the tensorify pass can take it there or ``allow(func, args, leaf)`` says so; and,
+    the tensorify pass can take it there or ``allow(func, args, leaf)`` says so;
     where that pass takes no Python arithmetic (torch 2.11 / 2.12), each op that
-    any float computed from a float symbol reaches (``ctx.k * ctx.scale``)."""
+    any float computed from a float symbol reaches (``ctx.k * ctx.scale``); and
+    where it does, each op a float expression reaches that it cannot rebuild from
+    tensors (``ctx.k % 1000 * ctx.s``)."""
 
     def __init__(
         self, symbols: dict[Any, str], floats: set[Any], allow: Callable[[Any, tuple[Any, ...], Any], bool]
@@ -174,6 +195,9 @@ class _FloatUses(TorchDispatchMode):
             elif not expr.is_Symbol and self.floats:
                 what = f"{func} (through Python arithmetic, {expr}, that this torch's tensorify pass does not take)"
                 self.found += [(self.symbols[sym], what) for sym in expr.free_symbols if sym in self.floats]
+            elif not expr.is_Symbol and not tensorify_interprets(expr):
+                what = f"{func} (through {expr}, {CANNOT_REBUILD})"
+                self.found += [(name, what) for name in sorted(self.symbols[sym] for sym in expr.free_symbols if sym in self.symbols)]
         return func(*args, **kwargs)
 
 
@@ -241,6 +265,8 @@ def _probe(
         return Verdict(False, f"{name} needs its value (guard {guard})", name[4:])
     if probed.float_uses:
         name, op = probed.float_uses[0]
+        if str(op).endswith(f"{CANNOT_REBUILD})"):
+            return Verdict(False, f"{name} reaches {op}", name[4:])
         return Verdict(False, f"{name} (a float) reaches {op}, which would specialise it", name[4:])
     stand_in, outs = probed.result
     outs = outs if isinstance(outs, tuple) else (outs,)
@@ -248,12 +274,20 @@ def _probe(
         if out is not None and not (i < len(tensor_inputs) and tensor_inputs[i]):
             # Eager's engine refuses it; stock CA would not: the opaque op raises as eager.
             return Verdict(False, f"its backward returns a gradient for forward input {i}, which is no tensor")
-    if stand_in._reads:
-        name, value = stand_in._reads[0]
-        return Verdict(False, f"ctx.{name} (a {type(value).__name__}) is read: Dynamo guards its value", name)
+    guarded = []
+    for name, value in stand_in._reads:
+        if type(value) not in GUARDED_AS_STOCK:
+            return Verdict(False, f"ctx.{name} (a {type(value).__name__}) is read: Dynamo guards its value", name)
+        guarded.append(f"ctx.{name}")
     if not numbers:
         return Verdict(True, "no ctx numbers")
-    return Verdict(True, "its ctx numbers only reach tensor math: " + ", ".join(f"ctx.{n}" for n in numbers))
+    reason = "its ctx numbers only reach tensor math: " + ", ".join(f"ctx.{n}" for n in numbers)
+    if guarded:
+        names = tuple(dict.fromkeys(guarded))
+        reason += f"; {', '.join(names)} guarded by Dynamo as stock guards it (a compile per distinct value)"
+        return Verdict(True, reason, guarded=tuple(name[4:] for name in names))
+    return Verdict(True, reason)
+
 
 
 def empty_like(t: Any) -> Any:

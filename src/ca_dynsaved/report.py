@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Sequence
 
 
-from .decision import OPAQUE, STOCK, TRACED, Decision
+from .decision import HASHED_ONLY, OPAQUE, STOCK, TRACED, Decision
 from .explain import DYNAMIC, REUSED, attribute_recompiles, format_table, reason_and_fix
 from .probe import is_number
 
@@ -172,6 +172,9 @@ class CaptureRecord:
     # and why a run took the stock twin instead ("" if none did)
     unpacks: int = 0
     unpack_fallback: str = ""
+    # combinations of the bools / strs its traced Python nodes read that run its
+    # graph uncompiled (runtime.Combinations): (ctx.name -> value, why)
+    eager_combinations: list[tuple[dict[str, Any], str]] = field(default_factory=list)
     # runs observed and not yet seen by the report's keys (observe / _flush), and
     # the (hook index, ctx attribute) of each of their hook values
     _rows: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = field(default_factory=list, repr=False)
@@ -371,8 +374,11 @@ def begin_capture(ca_id: int) -> CaptureRecord:
 def _function(name: str, kind: str, handling: str, reason: str) -> FunctionReport:
     function = _REPORT.functions.get(name)
     if function is None or (function.handling, function.reason) != (handling, reason):
-        # A function's handling can change (options, policy): the newest wins.
-        function = FunctionReport(name, kind, handling == OPAQUE, reason, handling=handling)
+        # A function's handling can change (options, policy, a later combination of
+        # its hashed values): the newest wins; the values seen stay its keys'.
+        old, function = function, FunctionReport(name, kind, handling == OPAQUE, reason, handling=handling)
+        if old is not None:
+            function.keys.update(old.keys)
         _REPORT.functions[name] = function
     return function
 
@@ -380,8 +386,12 @@ def _function(name: str, kind: str, handling: str, reason: str) -> FunctionRepor
 def _key(function: FunctionReport, key: str, type_: str, handling: str, node_reason: str) -> KeyReport:
     entry = function.keys.get(key)
     if entry is None or (entry.type, entry.handling) != (type_, handling):
-        reason, fix = reason_and_fix(function.kind, key, type_, handling, node_reason, function.handling == TRACED)
-        entry = function.keys[key] = KeyReport(key, function.kind, type_, handling, reason, fix)
+        chosen = function.handling == TRACED or node_reason == HASHED_ONLY
+        reason, fix = reason_and_fix(function.kind, key, type_, handling, node_reason, chosen)
+        old, entry = entry, KeyReport(key, function.kind, type_, handling, reason, fix)
+        if old is not None and old.type == type_:  # the values seen, whatever ran them
+            entry.values, entry.more_values, entry._seen = old.values, old.more_values, old._seen
+        function.keys[key] = entry
     return entry
 
 
@@ -409,11 +419,12 @@ def _key_handling(decision: Decision, value: Any, lifted: int | None) -> str:
     """How the plugin handles one saved key / ctx attribute of a node so decided."""
     if decision.handling == STOCK:
         return STOCK
-    if decision.kind == "C++":  # opaque or traced: the plugin handles its values
-        return DYNAMIC if lifted is not None else REUSED
-    if decision.handling == TRACED:
-        return DYNAMIC if is_number(value) else STOCK
-    return decision.handling
+    if decision.handling == TRACED:  # a number dynamic; a hashed value as stock has it
+        number = lifted is not None if decision.kind == "C++" else is_number(value)
+        return DYNAMIC if number else STOCK
+    if decision.kind == "C++" and lifted is None:  # opaque: the captures share code
+        return REUSED
+    return OPAQUE
 
 
 def report() -> Report:

@@ -270,6 +270,70 @@ class Check:
         return dict(zip(self.keys, values))
 
 
+@dataclass(frozen=True)
+class GuardedNode:
+    """A traced Python node whose backward reads bools / strs / Nones (``guarded``):
+    its ctx is ``hooks[hook]``; ``saved`` and ``tensor_inputs`` are what its probe
+    needs (``probe.verdict``)."""
+
+    name: str
+    hook: int
+    guarded: tuple[str, ...]
+    saved: tuple[Any, ...]
+    tensor_inputs: tuple[bool, ...]
+
+
+#: Combinations of a capture's guarded ctx values (``Combinations``) that may compile:
+#: each is a compile (Dynamo guards them, as under stock CA); past these, a new one
+#: runs the graph uncompiled, as stock runs one past Dynamo's recompile limit.
+MAX_GUARDED_COMBINATIONS = 8
+
+
+class Combinations:
+    """The combinations of the guarded ctx values of a capture's traced Python
+    nodes. The probe walked the backward for the capture's combination only; a
+    backward may branch on a str into math the probe has not seen (a number that
+    needs its value, a float the backend cannot take). So each new combination is
+    probed (``probe.verdict``, the real ctx's values) before Dynamo compiles it: one
+    the probe traces runs compiled (Dynamo's guard on it, a compile, as stock); one
+    it refuses, or one past ``MAX_GUARDED_COMBINATIONS``, runs the graph uncompiled,
+    eagerly, each time it comes (``eager``)."""
+
+    def __init__(self, nodes: Sequence[GuardedNode], record: CaptureRecord) -> None:
+        self.nodes = tuple(nodes)
+        self.record = record
+        self._reads = [(node.hook, name) for node in self.nodes for name in node.guarded]
+        self._eager: dict[tuple[Any, ...], bool] = {}  # combination -> runs uncompiled
+        self._compiled = 0
+
+    def eager(self, hooks: Sequence[Any]) -> bool:
+        """Whether this run's combination runs the graph uncompiled."""
+        combination = tuple(getattr(hooks[i], name, None) for i, name in self._reads)
+        found = self._eager.get(combination)
+        if found is None:
+            found = self._eager[combination] = self._refusal(hooks, combination)
+        return found
+
+    def _refusal(self, hooks: Sequence[Any], combination: tuple[Any, ...]) -> bool:
+        from . import probe
+
+        reason = ""
+        if self._compiled >= MAX_GUARDED_COMBINATIONS:
+            reason = f"the capture has compiled {MAX_GUARDED_COMBINATIONS} combinations of them"
+        for node in self.nodes if not reason else ():
+            verdict = probe.verdict(hooks[node.hook], node.saved, node.tensor_inputs)
+            if not verdict.traced:
+                reason = f"{node.name}: {verdict.reason}"
+                break
+        if not reason:
+            self._compiled += 1
+            return False
+        values = dict(zip((f"ctx.{name}" for _, name in self._reads), combination))
+        self.record.eager_combinations.append((values, reason))
+        log.info("capture !%d: %s run uncompiled: %s", self.record.ca_id, values, reason)
+        return True
+
+
 def without_keep_alive(graph: torch.fx.Graph) -> None:
     """Erase ``graph``'s ``keep_alive`` nodes."""
     for node in list(graph.find_nodes(op="call_function", target=keep_alive)):
@@ -374,6 +438,7 @@ def make_runtime_wrapper(
     hold: "Hold | None" = None,
     unpacks: checkpoint.Unpacks | None = None,
     fallback_base: torch.fx.GraphModule | None = None,
+    combinations: Combinations | None = None,
 ) -> Callable[..., Any]:
     """Wrap CA's runtime wrapper for a captured graph with opaque ops for ``nodes``;
     ``packer`` when C++ opaque ops or traced nodes read the lifted scalars;
@@ -387,8 +452,9 @@ def make_runtime_wrapper(
     ``hold``: while on, the graph runs eagerly, uncompiled (``tiered``);
     ``unpacks``: the graph's checkpoint unpacks, whose ``like`` tensors each run
     appends to the scalars (a run that cannot describe them takes the stock twin),
-    learned on the first run, which is eager. A lifted value whose type is not its
-    capture's raises before anything runs (``SavedTypeChangedError``)."""
+    learned on the first run, which is eager; ``combinations``: a run whose guarded
+    ctx values it says run uncompiled takes the graph eagerly. A lifted value whose
+    type is not its capture's raises before anything runs (``SavedTypeChangedError``)."""
     compiled: list[Callable[..., Any]] = []  # set once every node has run
     # Only a Python opaque node and a checkpoint unpack run under the caller's
     # dispatch keys: read them then.
@@ -408,6 +474,9 @@ def make_runtime_wrapper(
             if refused is not None:
                 return refused(inputs, sizes, scalars, hooks, packed_inputs)
         record.observe(scalars, hooks)
+        eager = combinations is not None and combinations.eager(hooks)
+        if eager:
+            counters["ca_dynsaved"]["guarded_eager_runs"] += 1
         ints: Sequence[int] = ()
         floats: Sequence[float] = ()
         if packer is not None:
@@ -435,7 +504,9 @@ def make_runtime_wrapper(
             # read the packed floats); with sentinel-traced nodes its first run is
             # eager, as a graph with opaque nodes runs it, so a capture used once (a
             # batch whose captures change) compiles nothing
-            if compiled or not checks:
+            if eager:
+                fn = graph_module
+            elif compiled or not checks:
                 fn = compiled_fn
             else:
                 compiled.append(compiled_fn)
@@ -453,8 +524,10 @@ def make_runtime_wrapper(
         if torch.is_grad_enabled():
             counters["ca_dynsaved"]["create_graph_eager_runs"] += 1
             fn = _Differentiable(graph_module).run_to_list
-        elif compiled:
+        elif compiled and not eager:
             fn = compiled[0]
+        elif eager:
+            fn = graph_module
         else:
             counters["ca_dynsaved"]["held_eager_runs" if hold and hold.on else "first_eager_runs"] += 1
             fn = graph_module

@@ -5,6 +5,7 @@ guards and replacements, ``TLS.suppress_guards``, ``optimization_hint`` /
 ``size_hint``), ``torch._subclasses.fake_tensor`` (``FakeTensorMode``,
 ``unset_fake_temporarily``), ``torch._dynamo.source.ConstantSource``,
 ``torch.fx.passes._tensorify_python_scalars.SUPPORTED_OPS``,
+``torch.utils._sympy.interp.handlers`` / ``reference.TensorReferenceAnalysis``,
 ``torch.utils._python_dispatch.TorchDispatchMode``, ``Tensor._make_wrapper_subclass``
 (``dispatch_sizes_strides_policy``). Releases:
 ``optimization_hint`` is 2.12+ (2.11: ``size_hint``); the tensorify pass lists Python
@@ -218,6 +219,25 @@ def tensorifiable_ops() -> frozenset[Any]:
     from torch.fx.passes._tensorify_python_scalars import SUPPORTED_OPS
 
     return frozenset(SUPPORTED_OPS)
+
+
+def tensorify_interprets(expr: Any) -> bool:
+    """Whether the tensorify pass can rebuild symbolic float ``expr`` from tensors: it
+    interprets each sympy function of it with ``TensorReferenceAnalysis``
+    (``torch.utils._sympy.interp``), which has no handler for some (``PythonMod``:
+    ``ctx.k % 1000 * ctx.s`` fails the backend's compile, under stock CA once the
+    numbers are dynamic). Interprets it the same way on real 0-dim tensors, as the
+    pass does on its graph's (``aten.scalar_tensor`` of each symbol)."""
+    from torch.utils._sympy.interp import sympy_interp
+    from torch.utils._sympy.reference import TensorReferenceAnalysis
+
+    try:
+        with outside_capture():
+            env = {sym: torch.scalar_tensor(7 if sym.is_integer else 0.37) for sym in expr.free_symbols}
+            sympy_interp(TensorReferenceAnalysis, env, expr)
+    except Exception:  # noqa: BLE001 - no handler, or one that fails: the pass would fail too
+        return False
+    return True
 
 
 def tensorifies_python_arithmetic() -> bool:
