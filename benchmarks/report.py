@@ -349,6 +349,72 @@ def real_model_table(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: What ``pytest benchmarks/test_dominance.py --benchmark-only`` writes.
+DOMINANCE_RESULTS = HERE / "results" / "dominance.json"
+DOMINANCE_COMMAND = COMMAND + " (dominance)"
+#: The goals of the dominance matrix: the steady step where values repeat, and,
+#: for a C++ function's numbers new every step, against stock's with constant values.
+REPEATING_STEADY = 1.05
+NEW_CPP_STEADY = {"mlp": 1.15, "elementwise": 1.10}
+_CPP_NUMBERS = ("cpp_int_double", "cpp_sym", "cpp_numbers_hashed", "cpp_derived", "cpp_nontraceable")
+
+
+def dominance_misses(rows: dict[tuple[str, str, str, str], dict], model: str, kind: str, schedule: str) -> list[str]:
+    """Which goals a cell misses: compiles and the 2,000-step total above stock's; the
+    steady step above ``REPEATING_STEADY`` x stock's where values repeat; a C++
+    function's numbers new every step above ``NEW_CPP_STEADY`` x stock's constant."""
+    stock, plugin = rows[(model, kind, schedule, "stock")], rows[(model, kind, schedule, "plugin")]
+    misses = []
+    if plugin["compiles"] > stock["compiles"]:
+        misses.append(f"compiles {plugin['compiles']} > {stock['compiles']}")
+    if plugin["long_run_s"] > stock["long_run_s"]:
+        misses.append(f"{LONG_RUN:,} steps {plugin['long_run_s'] / stock['long_run_s']:.2f} x")
+    ratio = plugin["steady_us"] / stock["steady_us"]
+    if schedule != "new" and ratio > REPEATING_STEADY:
+        misses.append(f"steady {ratio:.2f} x")
+    if schedule == "new" and kind in _CPP_NUMBERS:
+        constant = plugin["steady_us"] / rows[(model, kind, "constant", "stock")]["steady_us"]
+        if constant > NEW_CPP_STEADY[model]:
+            misses.append(f"steady {constant:.2f} x stock's constant")
+    return misses
+
+
+def dominance_table(data: dict) -> str:
+    """Every cell of the matrix (``test_dominance.py``): stock and the plugin's
+    compiles, steady step and 2,000-step total, and the goals it misses."""
+    rows = {(r["model"], r["kind"], r["schedule"], r["config"]): r for r in data["results"]}
+    cells = sorted({k[:3] for k in rows}, key=lambda c: (c[0], _DOMINANCE_KINDS.index(c[1]), _SCHEDULES.index(c[2])))
+    missed = 0
+    lines = [
+        f"torch {data['torch']}, inductor, {data['machine']}, {data['date']}. Compiles: after the first "
+        "steps measured (40 constant, 100 cycle, 60 new); steady step: the smallest of the passes' medians "
+        f"(spread: largest / smallest); {LONG_RUN:,} steps: the first steps, then the steady step.",
+        "",
+        "| model | function | values | compiles stock → plugin | steady stock / plugin (µs) | ÷ stock | "
+        f"{LONG_RUN:,} steps stock / plugin (s) | spread stock, plugin | misses |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | --- | --- |",
+    ]
+    for model, kind, schedule in cells:
+        stock, plugin = rows[(model, kind, schedule, "stock")], rows[(model, kind, schedule, "plugin")]
+        misses = dominance_misses(rows, model, kind, schedule)
+        missed += bool(misses)
+        lines.append(
+            f"| {model} | {kind} | {schedule} | {stock['compiles']} → {plugin['compiles']} "
+            f"| {stock['steady_us']:,.0f} / {plugin['steady_us']:,.0f} | {plugin['steady_us'] / stock['steady_us']:.2f} "
+            f"| {stock['long_run_s']:.1f} / {plugin['long_run_s']:.1f} | {stock['spread']:.2f}, {plugin['spread']:.2f} "
+            f"| {'; '.join(misses) or '-'} |"
+        )
+    lines += ["", f"{missed} of {len(cells)} cells miss a goal."]
+    return "\n".join(lines) + "\n"
+
+
+_DOMINANCE_KINDS = (
+    "cpp_int_double", "cpp_sym", "cpp_hashed", "cpp_numbers_hashed", "cpp_derived", "cpp_nontraceable",
+    "py_numbers", "py_hashed", "py_numbers_hashed", "py_untraceable",
+)
+_SCHEDULES = ("constant", "cycle", "new")
+
+
 def main(argv: list[str]) -> int:
     source = Path(argv[0]) if argv else HERE / "results" / "latest.json"
     data = json.loads(source.read_text())
@@ -357,6 +423,10 @@ def main(argv: list[str]) -> int:
     real = real_model_table(json.loads(REAL_MODEL_RESULTS.read_text()))
     _docblocks.write(ROOT / "docs" / "benchmarks.md", REAL_MODEL_COMMAND, real)
     print(real)
+    if DOMINANCE_RESULTS.exists():
+        dominance = dominance_table(json.loads(DOMINANCE_RESULTS.read_text()))
+        _docblocks.write(ROOT / "docs" / "benchmarks.md", DOMINANCE_COMMAND, dominance)
+        print(dominance)
     _docblocks.write(ROOT / "README.md", SUMMARY_COMMAND, short)
     print(short)
     print(tables)

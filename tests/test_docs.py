@@ -31,7 +31,9 @@ TOPICS = (
     "contributing.md", "checkpointing.md",
 )
 #: Commands whose blocks this file checks; the demo's is test_demo's.
-CHECKED_HERE = {bench_report.COMMAND, bench_report.SUMMARY_COMMAND, bench_report.REAL_MODEL_COMMAND}
+CHECKED_HERE = {
+    bench_report.COMMAND, bench_report.SUMMARY_COMMAND, bench_report.REAL_MODEL_COMMAND, bench_report.DOMINANCE_COMMAND,
+}
 DEMO_COMMAND = demo.MARKDOWN_COMMAND
 _FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
 _NOT_RUN = re.compile(r"<!-- not run: (.*?) -->\s*$")
@@ -147,6 +149,7 @@ def test_generated_blocks_are_what_their_commands_print():
         bench_report.COMMAND: bench_report.table(data),
         bench_report.SUMMARY_COMMAND: bench_report.summary(data),
         bench_report.REAL_MODEL_COMMAND: bench_report.real_model_table(real),
+        bench_report.DOMINANCE_COMMAND: bench_report.dominance_table(json.loads(bench_report.DOMINANCE_RESULTS.read_text())),
     }
     seen = []
     for page in PAGES:
