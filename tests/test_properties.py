@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ca_dynsaved
-from ca_dynsaved import UndefinedGradError, probe, runtime
+from ca_dynsaved import UndefinedGradError, decision, probe, runtime
 from helpers import Counts, assert_grads_equal, counts, this_release
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
@@ -223,12 +223,16 @@ def test_guarded_combination_the_probe_refuses_runs_uncompiled():
 
 
 @pytest.mark.parametrize("kind", ["cpp", "python"])
-def test_value_dependent_none_is_eager_or_refused(ext, kind):
+def test_value_dependent_none_is_eager_or_refused(ext, kind, monkeypatch):
     """OddNoneFn returns no gradient for an odd k. The capture's first run learns
     whether the gradient is None; a later step of the other parity raises
     UndefinedGradError (never a zero where eager gives None), and the next step of
-    the learned parity is right again."""
+    the learned parity is right again. (The Python node opaque throughout: its
+    capture's switch to stock's graph, which gives eager's None, is
+    test_python_tiered's.)"""
     from test_python_ctx import OddNoneFn
+
+    monkeypatch.setattr(decision, "SPECIALISE_AFTER_RUNS", 10**9)
 
     if kind == "cpp":  # C++'s k % 2 == 1: positive odd k only
         apply, undefined = ext.odd_none_opaque, lambda k: k > 0 and k % 2 == 1

@@ -77,6 +77,7 @@ class _Tier:
     traced: list[torch.fx.Node]  # what its trace recorded (in-place ops included)
     check: "runtime.Check | None"  # verify's, for the specialised graph only
     function: tuple[str, tuple[str, ...]]  # (name, saved keys): COMBINATIONS' count
+    held: bool  # its opaque graph uncompiled until then (a C++ node's later combination)
 
 
 def _keep(*args: Any) -> None:
@@ -362,7 +363,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
 
     def _emit_tier(self, outputs: Sequence[Any], meta: Any) -> None:
         pending, self._tier_pending = self._tier_pending, None
-        assert pending is not None and pending.call is not None
+        assert pending is not None
         tier = pending.tier
         assert tier is not None
         check = self._checks.pop() if tier.traced is not None and tier.traced.verify else None
@@ -370,22 +371,27 @@ class DynSavedCompilerInstance(StockCompilerInstance):
             proxy_out = self._emit_opaque(pending, meta)
         except opaque.Unexpressible as e:
             # No opaque op for it: the capture's graph is the traced one, as for a
-            # combination of the function's first capture.
-            if tier.traced is None:
+            # combination of the function's first capture (a Python node: stock's).
+            if pending.call is None:
+                traced_ = pending.decision.demoted(str(e))
+            elif tier.traced is None:
                 traced_ = pending.decision.demoted(f"{HASHED_ONLY} ({e})")
             else:
                 traced_ = dataclasses.replace(
                     pending.decision, handling=TRACED, reason=f"traced with sentinels: {tier.traced.plan.reason} ({e})",
                     plan=tier.traced,
                 )
-            self._record(traced_)
+            self._record(traced_, pending.hook)
             if check is not None:
                 self._checks.append(check)
             return
         keep = self.fx_tracer.create_proxy("call_function", _keep, (proxy_out,), {})
         validated = [None if o is None else self.to_proxy(o).node for o in outputs]
-        function = (pending.call.name, pending.call.keys)
-        self._tiers.append(_Tier(proxy_out.node, keep.node, validated, self._last_region, check, function))
+        if pending.call is not None:
+            function, held = (pending.call.name, pending.call.keys), True
+        else:  # a Python backward Dynamo breaks at: its opaque graph compiled from the start
+            function, held = (pending.decision.name, tuple(key for key, *_ in pending.decision.saved)), False
+        self._tiers.append(_Tier(proxy_out.node, keep.node, validated, self._last_region, check, function, held))
 
     def _place_derived(self, plan: sentinel.Plan, nodes: list[Any]) -> tuple[tuple[tuple[int, int], ...], ...]:
         """The graph reads each value the node computes from its numbers (a
@@ -436,6 +442,18 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         )
         if decision is None:
             return stock()  # torch's own compiled backward, not a user function
+        if isinstance(decision.plan, Tiered):
+            # stock's call (its pieces' graph); its opaque op too, emitted in
+            # validate_outputs (_emit_tier)
+            graph = self.fx_tracer.graph
+            before = len(graph.nodes)
+            out = stock()
+            self._last_region = list(graph.nodes)[before:]
+            opaque_ = dataclasses.replace(decision, plan=decision.plan.opaque)
+            self._tier_pending = _Deferred(
+                opaque_, list(inputs), [], lambda: (), hook=backward_idx, saved=tuple(saved_tensors), tier=decision.plan
+            )
+            return out
         if decision.handling != OPAQUE:
             self._record(decision, backward_idx)
             if isinstance(decision.plan, PythonTrace):
@@ -700,7 +718,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
             packer = runtime.Packer(self._scalar_kinds, tensors=self._packed_proxies is not None, owners=self._owners)
         derived = (self._derived[0], self._derived[1])
         common = (packer, self._nodes, self._capture, self.compiler_fn, tuple(self._dynamic_sources))
-        hold = runtime.Hold() if self._tiers else None
+        hold = runtime.Hold(any(t.held for t in self._tiers)) if self._tiers else None
         wrapper = runtime.make_runtime_wrapper(
             runtime_wrapper, self._graph_module, *common, tuple(self._checks), derived, hold=hold,
             unpacks=self._unpacks, fallback_base=self._fallback_base, combinations=combinations,
@@ -717,5 +735,8 @@ class DynSavedCompilerInstance(StockCompilerInstance):
                 )
 
             functions = tuple(dict.fromkeys(t.function for t in self._tiers))  # each once
-            wrapper = runtime.tiered(wrapper, hold, specialised, special, self.compiler_fn, functions, self._capture)
+            measured = not any(t.held for t in self._tiers)  # Python tiers only
+            wrapper = runtime.tiered(
+                wrapper, hold, specialised, special, self.compiler_fn, functions, self._capture, measured
+            )
         return wrapper, compiled_fn

@@ -102,12 +102,13 @@ class SentinelTrace:
 
 @dataclass(frozen=True)
 class Tiered:
-    """A later combination of a C++ function's hashed values (``COMBINATIONS``): the
-    capture holds both ways to run the node, ``opaque`` (what runs first, sharing
-    compiled code with the function's other later combinations) and ``traced`` (its
-    own graph, traced with sentinels, or as stock traces it where it saves no numbers
-    (``traced`` None), compiled once the capture has run ``SPECIALISE_AFTER_RUNS``
-    times: ``runtime.tiered``)."""
+    """A later combination of a C++ function's hashed values (``COMBINATIONS``), or a
+    Python backward Dynamo breaks the graph at: the capture holds both ways to run
+    the node, ``opaque`` (what runs first, sharing compiled code with the function's
+    other later combinations) and ``traced`` (its own graph, traced with sentinels,
+    or as stock traces it (``traced`` None: a C++ function that saves no numbers, a
+    Python backward's graph-broken pieces), compiled once the capture has run
+    ``SPECIALISE_AFTER_RUNS`` times: ``runtime.tiered``)."""
 
     opaque: "OpaqueCall"
     traced: SentinelTrace | None  # None: no saved numbers, stock's trace
@@ -257,6 +258,19 @@ HASHED_ONLY_LATER = "no saved ints or doubles"
 #: 1.2-1.7 s a compile against 0-8 ms an eager run over a compiled one).
 SPECIALISE_AFTER_RUNS = 16
 MAX_SPECIALISED = 8
+#: A Python backward Dynamo breaks the graph at, or one that specialises on a ctx
+#: number, runs opaque, compiled, until its capture's run ``SPECIALISE_AFTER_RUNS``;
+#: then as stock runs it (its graph-broken pieces, fused as stock fuses them, with
+#: stock's guards). Their first run compiles them and a value's first change
+#: recompiles them once (Dynamo makes it dynamic); a graph that compiles in more than
+#: ``RECOMPILING_RUNS`` runs after its first (a value it specialises on, sizes that
+#: keep changing) churns as under stock: the capture goes back to its opaque graph
+#: for good (``runtime.tiered``) ...
+RECOMPILING_RUNS = 2
+#: ... and where stock's graph is no faster: its median over ``TIMED_RUNS`` runs that
+#: compile nothing against the opaque graph's over as many runs before the switch (an
+#: opaque op beside matmuls can beat graph-broken pieces; measured in benchmarks/).
+TIMED_RUNS = 8
 
 
 def _tiered() -> str:
@@ -366,11 +380,15 @@ def decide_python(
         return dataclasses.replace(opaque, reason=UNPACKED_AT_RUN_TIME)
     if has_numbers:
         verdict = probe.verdict(ctx, saved, tensor_inputs)
-        if not verdict.traced:
+        if not verdict.traced and not verdict.stock_runs_it:  # stock's compile would fail, or differ from eager
             return dataclasses.replace(opaque, reason=verdict.reason)
     breaks = None if unpacked else graphbreak.break_reason(ctx, saved)  # unpacked: as stock
-    if breaks is not None:
+    if breaks is not None and breaks.startswith(graphbreak.TRACING_FAILED):  # stock's compile would fail
         return dataclasses.replace(opaque, reason=breaks)
+    if has_numbers and not verdict.traced:
+        return _python_tiered(opaque, verdict.reason)
+    if breaks is not None:
+        return _python_tiered(opaque, breaks)
     if has_numbers:
         plan = PythonTrace(tuple(pyctx.dynamic_sources(ctx, hook)), verdict.guarded)
         return dataclasses.replace(node, handling=TRACED, reason=verdict.reason, plan=plan)
@@ -379,6 +397,15 @@ def decide_python(
         reason="no int or float ctx attribute, and Dynamo traces its backward "
         "(bools, strs and tensors keep stock tracing)",
     )
+
+
+def _python_tiered(opaque: Decision, reason: str) -> Decision:
+    """A Python backward stock would recompile for (a value it specialises on) or
+    break the graph at: opaque while stock's graph would recompile (new values, new
+    sizes); stock's graph, its pieces fused, once the capture has shown it repeats
+    (``runtime.tiered``; the capture's record says when: ``specialised``,
+    ``despecialised``)."""
+    return dataclasses.replace(opaque, reason=reason, plan=Tiered(opaque.plan, None))  # type: ignore[arg-type]
 
 
 #: Why a C++ function, or a Python one with ctx numbers, whose saved tensors a hook

@@ -32,6 +32,9 @@ from ._compat.symbolic import outside_capture
 from . import probe
 
 _CACHE: dict[tuple[Any, ...], str | None] = {}
+#: How a reason starts where Dynamo fails on the backward (not a break): stock's
+#: compile would raise, so the node never gets stock's graph (``decision.Tiered``).
+TRACING_FAILED = "backward not traceable by Dynamo: tracing it failed"
 
 
 def clear() -> None:
@@ -65,7 +68,7 @@ def _trace(ctx: Any, saved: Sequence[Any]) -> str | None:
     if traced.breaks is False:
         return None
     if traced.breaks is None:  # CA's compile of it would fail the same way
-        return f"backward not traceable by Dynamo: tracing it failed ({traced.reason})"
+        return f"{TRACING_FAILED} ({traced.reason})"
     at = f" at {traced.where}" if traced.where else ""
     return f"backward not traceable by Dynamo: {traced.reason}{at}"
 

@@ -80,6 +80,9 @@ class Verdict:
     reason: str  # what decided it, for the report and the log
     attribute: str | None = None  # the attribute behind an opaque verdict
     guarded: tuple[str, ...] = ()  # the bools / strs / Nones a traced backward read
+    # an opaque verdict's: stock's graph runs this backward as eager does, only
+    # recompiling (a tiered node may hand it to stock's graph: decision.Tiered)
+    stock_runs_it: bool = True
 
 
 _CACHE: dict[tuple[Any, ...], Verdict] = {}
@@ -137,7 +140,7 @@ def _decide(
             numbers[name] = INT_HINT
         else:
             what = "an int beyond int64" if type(value) is int else f"a {type(value).__module__}.{type(value).__name__}"
-            return Verdict(False, f"ctx.{name} is {what}, which Dynamo cannot make dynamic", name)
+            return Verdict(False, f"ctx.{name} is {what}, which Dynamo cannot make dynamic", name, stock_runs_it=False)
     return _probe(ctx, numbers, saved, tensor_inputs)
 
 
@@ -260,20 +263,22 @@ def _probe(
             name, guard = real.guards[0]
             return Verdict(False, f"{name} needs its value (guard {guard})", name[4:])
         e = probed.error
-        return Verdict(False, f"the probe could not run its backward ({exception_line(e)})")
+        return Verdict(False, f"the probe could not run its backward ({exception_line(e)})", stock_runs_it=False)
     for name, guard in probed.guards:
         return Verdict(False, f"{name} needs its value (guard {guard})", name[4:])
     if probed.float_uses:
         name, op = probed.float_uses[0]
         if str(op).endswith(f"{CANNOT_REBUILD})"):
-            return Verdict(False, f"{name} reaches {op}", name[4:])
+            return Verdict(False, f"{name} reaches {op}", name[4:], stock_runs_it=False)
         return Verdict(False, f"{name} (a float) reaches {op}, which would specialise it", name[4:])
     stand_in, outs = probed.result
     outs = outs if isinstance(outs, tuple) else (outs,)
     for i, out in enumerate(outs):
         if out is not None and not (i < len(tensor_inputs) and tensor_inputs[i]):
             # Eager's engine refuses it; stock CA would not: the opaque op raises as eager.
-            return Verdict(False, f"its backward returns a gradient for forward input {i}, which is no tensor")
+            return Verdict(
+                False, f"its backward returns a gradient for forward input {i}, which is no tensor", stock_runs_it=False
+            )
     guarded = []
     for name, value in stand_in._reads:
         if type(value) not in GUARDED_AS_STOCK:

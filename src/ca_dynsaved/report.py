@@ -168,6 +168,12 @@ class CaptureRecord:
     # the run on which its later hashed combinations got their own traced graph
     # (runtime.tiered), or 0
     specialised: int = 0
+    # the run on which that graph, having compiled in more than
+    # decision.RECOMPILING_RUNS runs after its first, gave way to the opaque one, or 0
+    despecialised: int = 0
+    # a measured tiered capture's (runtime.tiered) median run of its opaque graph and
+    # of its own, in µs, once both are timed
+    tier_times_us: tuple[float, float] | None = None
     # checkpointed saved tensors its graph unpacks with the plugin's op (checkpoint.py),
     # and why a run took the stock twin instead ("" if none did)
     unpacks: int = 0
@@ -319,6 +325,8 @@ class Report:
                     "refused": [list(r) for r in c.refused],
                     "final_callbacks": c.final_callbacks,
                     "specialised": c.specialised,
+                    "despecialised": c.despecialised,
+                    "tier_times_us": c.tier_times_us,
                 }
                 for c in self.captures
             ],

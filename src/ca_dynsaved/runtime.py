@@ -33,13 +33,14 @@ import dataclasses
 import heapq
 import logging
 import operator
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
-from ._compat.capture import counters
+from ._compat.capture import counters, graphs_compiled
 from ._compat.dynamic_state import mark_dynamic_scalars
 from ._compat.dynamo import without_dynamo
 from ._compat.engine import collecting_final_callbacks
@@ -570,29 +571,61 @@ def tiered(
     compiler_fn: Callable[..., Any],
     functions: Sequence[tuple[str, tuple[str, ...]]],
     record: CaptureRecord,
+    measured: bool = False,
 ) -> Callable[..., Any]:
-    """The runtime wrapper of a capture with later combinations' nodes
-    (``decision.Tiered``): ``first`` (its graph with them opaque), run eagerly while
-    ``hold`` is on, until the capture's run ``SPECIALISE_AFTER_RUNS``; then, if
-    ``COMBINATIONS`` lets ``functions`` have one more, ``graph`` (them traced)
-    compiled by ``compiler_fn`` and run by the wrapper ``specialised`` makes, which
-    hands a step whose values verify refuses back to ``first``; if not, ``first``
-    compiled (code shared with the functions' other combinations at their cap). So
-    a combination that repeats costs stock's one compile, one that does not come
-    back 16 times none; eager runs cost little against a compile (docs/cpp.md,
-    "Hashed values"). A backward with ``create_graph=True`` always takes ``first``,
-    whose eager run records the backward's history."""
+    """The runtime wrapper of a capture with tiered nodes (``decision.Tiered``):
+    ``first`` (its graph with them opaque), run eagerly while ``hold`` is on, until
+    the capture's run ``SPECIALISE_AFTER_RUNS``; then, if ``COMBINATIONS`` lets
+    ``functions`` have one more, ``graph`` (them traced) compiled by ``compiler_fn``
+    and run by the wrapper ``specialised`` makes, which hands a step whose values
+    verify refuses back to ``first``; if not, ``first`` compiled (code shared with
+    the functions' other combinations at their cap). So a C++ function's later
+    combination that repeats costs stock's one compile, one that does not come back
+    16 times none; eager runs cost little against a compile (docs/cpp.md, "Hashed
+    values"). ``measured`` (Python nodes tiered for a graph break or a number they
+    specialise on: ``first`` compiled from the start, ``hold`` off; ``graph`` as
+    stock made it, guarded by Dynamo as stock): ``graph`` gives way to ``first`` for
+    good where it compiles in more than ``decision.RECOMPILING_RUNS`` runs after its
+    first (it churns, as under stock), or where its median of ``decision.TIMED_RUNS``
+    runs is slower than ``first``'s median over as many runs before the switch. A
+    backward with ``create_graph=True`` always takes ``first``, whose eager run
+    records the backward's history."""
     runs = 0
     chosen: list[Callable[..., Any]] = []
     asked = False  # COMBINATIONS once: a function at its cap stays opaque here
+    recompiling = -1  # runs of ``graph``'s code that compiled, its first not counted
+    times: dict[str, list[float]] = {"first": [], "own": []}  # measured: the runs timed
+
+    def give_way(why: str) -> None:
+        chosen.clear()
+        hold.on = False
+        record.despecialised = runs
+        log.info("capture !%d: run %d: back to its opaque graph: %s", record.ca_id, runs, why)
+
+    def run_chosen(inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
+        nonlocal recompiling
+        before = graphs_compiled()
+        out, seconds = _timed(chosen[0], inputs, sizes, scalars, hooks, packed_inputs)
+        if graphs_compiled() != before:
+            recompiling += 1
+            if measured and recompiling > decision.RECOMPILING_RUNS:  # churning, as under stock
+                give_way(f"its own graph compiled in {recompiling} runs after its first")
+        elif measured and len(times["own"]) < decision.TIMED_RUNS:
+            times["own"].append(seconds)
+            if len(times["own"]) == decision.TIMED_RUNS:
+                own, opaque_ = (statistics.median(times[k]) for k in ("own", "first"))
+                record.tier_times_us = (opaque_ * 1e6, own * 1e6)
+                if own > opaque_:
+                    give_way(f"its own graph's runs take {own * 1e6:.0f} us, the opaque graph's {opaque_ * 1e6:.0f}")
+        return out
 
     @without_dynamo
     def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
         nonlocal runs, asked
         grad = torch.is_grad_enabled()
-        if chosen and not grad:
-            return chosen[0](inputs, sizes, scalars, hooks, packed_inputs)
         runs += 1
+        if chosen and not grad:
+            return run_chosen(inputs, sizes, scalars, hooks, packed_inputs)
         if not asked and not grad and runs >= decision.SPECIALISE_AFTER_RUNS:
             asked = True
             if not decision.COMBINATIONS.promote(functions):
@@ -603,12 +636,29 @@ def tiered(
             chosen.append(lambda *args: run(own, *args))
             record.specialised = runs
             counters["ca_dynsaved"]["specialised_captures"] += 1
-            log.info("capture !%d: run %d: its own graph, later combinations traced (%s)",
+            log.info("capture !%d: run %d: its own graph, tiered nodes traced (%s)",
                      record.ca_id, runs, ", ".join(name for name, _ in functions))
-            return chosen[0](inputs, sizes, scalars, hooks, packed_inputs)
+            return run_chosen(inputs, sizes, scalars, hooks, packed_inputs)
+        if measured and not asked and not grad and runs > max(1, decision.SPECIALISE_AFTER_RUNS - 1 - decision.TIMED_RUNS):
+            out, seconds = _timed(first, compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
+            times["first"].append(seconds)  # the last runs before the switch, the first run (eager) not
+            return out
         return first(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
 
     return wrapper
+
+
+def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """``fn(*args)`` and its wall time in seconds, the GPU's queued work included
+    (a tiered capture's choice between its two graphs: ``tiered``)."""
+    sync = torch.cuda.is_initialized()
+    if sync:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn(*args)
+    if sync:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
 
 
 _RUNNERS = {**opaque.RUNNERS, checkpoint.UNPACK_OP: checkpoint.unpack_now}

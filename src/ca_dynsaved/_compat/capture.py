@@ -139,6 +139,11 @@ def is_unpack_placeholder(t: Any) -> bool:
 counters = counters
 
 
+def graphs_compiled() -> int:
+    """Graphs Dynamo has compiled in this process (its ``unique_graphs`` count)."""
+    return counters["stats"]["unique_graphs"]
+
+
 def capture_count() -> int:
     """CA captures so far in this process (a backward that added one missed CA's cache)."""
     return counters["compiled_autograd"]["captures"]
