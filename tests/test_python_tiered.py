@@ -264,7 +264,7 @@ def test_a_specialising_backward_dynamo_fails_on_is_never_handed_to_stock(promot
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
     capture = _capture()
     assert capture["specialised"] == 0
-    assert capture["nodes"][0]["reason"].startswith("backward not traceable by Dynamo: tracing it failed")
+    assert capture["nodes"][0]["reason"] == "ctx.k needs its value (guard ctx.k > 2)"  # the probe's, as before
 
 
 def test_a_value_dependent_none_after_the_switch_is_eagers(promote_at_3):

@@ -383,10 +383,11 @@ def decide_python(
         if not verdict.traced and not verdict.stock_runs_it:  # stock's compile would fail, or differ from eager
             return dataclasses.replace(opaque, reason=verdict.reason)
     breaks = None if unpacked else graphbreak.break_reason(ctx, saved)  # unpacked: as stock
+    refused = verdict.reason if has_numbers and not verdict.traced else None  # the probe's, named first
     if breaks is not None and breaks.startswith(graphbreak.TRACING_FAILED):  # stock's compile would fail
-        return dataclasses.replace(opaque, reason=breaks)
-    if has_numbers and not verdict.traced:
-        return _python_tiered(opaque, verdict.reason)
+        return dataclasses.replace(opaque, reason=refused or breaks)
+    if refused is not None:
+        return _python_tiered(opaque, refused)
     if breaks is not None:
         return _python_tiered(opaque, breaks)
     if has_numbers:
