@@ -285,3 +285,23 @@ def test_a_value_dependent_none_after_the_switch_is_eagers(promote_at_3):
     results = run_loop(lambda i: step(i + 3), lambda: ca_dynsaved.enable(backend="aot_eager"), steps=6)
     assert _capture()["specialised"] == 3
     assert [grads[0] is None for grads in results] == [True, False, True, False, True, False]
+
+
+def test_sizes_that_keep_changing_keep_the_opaque_graph(promote_at_3):
+    """Sizes new at every run (three in turn): stock's graph-broken pieces would
+    recompile for them (pytorch_wavelets' round trip: 29 compiles in 8 steps), so
+    the capture is not switched while they change: the opaque graph's two compiles
+    (its sizes static, then dynamic), no break. Once the sizes hold for two runs
+    in a row after a first (promote_at_3: min(TIMED_RUNS, 3 - 1)), stock's graph."""
+
+    def step(i: int):
+        x = torch.linspace(-1.0, 1.0, (5, 7, 9)[i % 3] if i < 9 else 6, requires_grad=True)
+        ModeLookup.apply(x * 2, 1.5, "ab").sum().backward()
+        return (x.grad,)
+
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=9)
+    assert counts() == Counts(captures=1, compiles=2, graph_breaks=0)
+    assert _capture()["specialised"] == 0
+    run_loop(lambda i: step(i + 9), lambda: ca_dynsaved.enable(backend="aot_eager"), steps=4)
+    assert _capture()["specialised"] == 12  # steps 9-11 of size 6: the third
+    assert counts() == Counts(captures=1, compiles=6, graph_breaks=3)

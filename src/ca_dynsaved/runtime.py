@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import array
+import collections
 import dataclasses
 import heapq
 import logging
@@ -587,14 +588,19 @@ def tiered(
     stock made it, guarded by Dynamo as stock): ``graph`` gives way to ``first`` for
     good where it compiles in more than ``decision.RECOMPILING_RUNS`` runs after its
     first (it churns, as under stock), or where its median of ``decision.TIMED_RUNS``
-    runs is slower than ``first``'s median over as many runs before the switch. A
+    runs is slower than ``first``'s median over as many runs before the switch; and
+    it is tried only once the run's sizes have stayed the same for that many runs
+    (sizes that keep changing recompile stock's graph-broken pieces at every new
+    one). A
     backward with ``create_graph=True`` always takes ``first``, whose eager run
     records the backward's history."""
     runs = 0
     chosen: list[Callable[..., Any]] = []
     asked = False  # COMBINATIONS once: a function at its cap stays opaque here
     recompiling = -1  # runs of ``graph``'s code that compiled, its first not counted
-    times: dict[str, list[float]] = {"first": [], "own": []}  # measured: the runs timed
+    # measured: the runs timed (``first``'s latest), the runs in a row with the same sizes
+    times: dict[str, Any] = {"first": collections.deque(maxlen=decision.TIMED_RUNS), "own": []}
+    same_sizes, last_sizes = 0, None
 
     def give_way(why: str) -> None:
         chosen.clear()
@@ -621,12 +627,17 @@ def tiered(
 
     @without_dynamo
     def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
-        nonlocal runs, asked
+        nonlocal runs, asked, same_sizes, last_sizes
         grad = torch.is_grad_enabled()
         runs += 1
         if chosen and not grad:
             return run_chosen(inputs, sizes, scalars, hooks, packed_inputs)
-        if not asked and not grad and runs >= decision.SPECIALISE_AFTER_RUNS:
+        steady = True
+        if measured and not asked:
+            same_sizes = same_sizes + 1 if sizes == last_sizes else 0
+            last_sizes = list(sizes)
+            steady = same_sizes >= min(decision.TIMED_RUNS, decision.SPECIALISE_AFTER_RUNS - 1)
+        if not asked and not grad and runs >= decision.SPECIALISE_AFTER_RUNS and steady:
             asked = True
             if not decision.COMBINATIONS.promote(functions):
                 hold.on = False  # at the cap: opaque for good, compiled
@@ -639,9 +650,9 @@ def tiered(
             log.info("capture !%d: run %d: its own graph, tiered nodes traced (%s)",
                      record.ca_id, runs, ", ".join(name for name, _ in functions))
             return run_chosen(inputs, sizes, scalars, hooks, packed_inputs)
-        if measured and not asked and not grad and runs > max(1, decision.SPECIALISE_AFTER_RUNS - 1 - decision.TIMED_RUNS):
+        if measured and not asked and not grad and runs > 1:  # the first run (eager) not
             out, seconds = _timed(first, compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
-            times["first"].append(seconds)  # the last runs before the switch, the first run (eager) not
+            times["first"].append(seconds)
             return out
         return first(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
 

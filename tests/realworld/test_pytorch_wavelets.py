@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from helpers import Counts, this_release
-from loops import compare, node
+import ca_dynsaved
+from loops import assert_steps_equal, compare, node, train
 
 #: A real library's training runs: the quick loop (docs/contributing.md) leaves them out.
 pytestmark = pytest.mark.slow
@@ -68,3 +69,16 @@ def test_wavelet_round_trip(mode: str) -> None:
     if mode == "symmetric":
         assert synthesis.reason.startswith("backward not traceable by Dynamo: Unsupported method call")
         assert "pywt/_dwt.py" in synthesis.reason and "in dwt_coeff_len" in synthesis.reason
+
+
+def test_sizes_that_keep_changing_keep_the_opaque_backward() -> None:
+    """Past its capture's run 16 the opaque SFB2D stays opaque: the image size changes
+    every step, and stock's graph-broken pieces would recompile for each new one (the
+    plugin switches to stock's graph only once sizes hold: runtime.tiered). Two
+    compiles in 24 steps, no break, every step's gradients eager's."""
+    step, params = _loop("symmetric")
+    _, want = train(step, params, "eager", 24)
+    found, got = train(step, params, "plugin", 24)
+    assert_steps_equal(got, want)
+    assert found == this_release(STOCK["periodization"])
+    assert [c.specialised for c in ca_dynsaved.report().captures] == [0]
