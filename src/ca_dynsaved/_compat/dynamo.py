@@ -75,6 +75,10 @@ def trace_backward_alone(ctx: Any, saved: list[Any], grads: list[Any]) -> Traced
     scope: dict[str, Any] = {"call_backward": call_backward}
     exec(compile(_ALONE_SOURCE, "<ca_dynsaved: a backward traced alone>", "exec"), scope)
     before = {name: counter.copy() for name, counter in counters.items()}
+    # Dynamo's event spans: a trace that fails can pop the enclosing ones (torch
+    # 2.11), whose end then logs a WARNING in the user's log; restored as they were.
+    events = torch._dynamo.utils.get_chromium_event_logger()
+    stacks = [(stack, list(stack)) for stack in (events.get_stack(), events.get_pt2_compile_substack())]
     try:
         with torch._dynamo.error_on_graph_break(True):
             torch.compile(scope["backward_alone"], backend=_refuse, dynamic=True)(ctx, saved, *grads)
@@ -92,6 +96,8 @@ def trace_backward_alone(ctx: Any, saved: list[Any], grads: list[Any]) -> Traced
     finally:
         counters.clear()
         counters.update(before)
+        for stack, kept in stacks:
+            stack[:] = kept
 
 
 def _lines(e: BaseException) -> list[str]:
