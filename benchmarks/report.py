@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from ca_dynsaved import _docblocks
+from dominance import KINDS, SCHEDULES  # benchmarks/dominance.py: the matrix's rows, in order
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -383,11 +384,13 @@ def dominance_table(data: dict) -> str:
     """Every cell of the matrix (``test_dominance.py``): stock and the plugin's
     compiles, steady step and 2,000-step total, and the goals it misses."""
     rows = {(r["model"], r["kind"], r["schedule"], r["config"]): r for r in data["results"]}
-    cells = sorted({k[:3] for k in rows}, key=lambda c: (c[0], _DOMINANCE_KINDS.index(c[1]), _SCHEDULES.index(c[2])))
+    cells = sorted({k[:3] for k in rows}, key=lambda c: (c[0], KINDS.index(c[1]), SCHEDULES.index(c[2])))
+    first = {r["schedule"]: r["steps"] for r in data["results"]}
+    measured = ", ".join(f"{first[schedule]} {schedule}" for schedule in SCHEDULES)
     missed = 0
     lines = [
         f"torch {data['torch']}, inductor, {data['machine']}, {data['date']}. Compiles: after the first "
-        "steps measured (40 constant, 100 cycle, 60 new); steady step: the smallest of the passes' medians "
+        f"steps measured ({measured}); steady step: the smallest of the passes' medians "
         f"(spread: largest / smallest); {LONG_RUN:,} steps: the first steps, then the steady step.",
         "",
         "| model | function | values | compiles stock → plugin | steady stock / plugin (µs) | ÷ stock | "
@@ -406,13 +409,6 @@ def dominance_table(data: dict) -> str:
         )
     lines += ["", f"{missed} of {len(cells)} cells miss a goal."]
     return "\n".join(lines) + "\n"
-
-
-_DOMINANCE_KINDS = (
-    "cpp_int_double", "cpp_sym", "cpp_hashed", "cpp_numbers_hashed", "cpp_derived", "cpp_nontraceable",
-    "py_numbers", "py_hashed", "py_numbers_hashed", "py_untraceable",
-)
-_SCHEDULES = ("constant", "cycle", "new")
 
 
 def main(argv: list[str]) -> int:

@@ -1,7 +1,9 @@
 """A Python backward stock would recompile for or break the graph at runs opaque
-until its capture has run ``decision.SPECIALISE_AFTER_RUNS`` times, then as stock
-runs it (its graph-broken pieces fused), back to opaque for good where stock's graph
-keeps recompiling (``runtime.tiered``, ``decision.RECOMPILING_RUNS``)."""
+until its capture has run ``decision.SPECIALISE_AFTER_RUNS`` times with steady
+sizes, then as stock runs it (its graph-broken pieces fused), back to opaque for
+good where stock's graph keeps recompiling or runs slower (``runtime.tiered``,
+``decision.RECOMPILING_RUNS``, ``decision.TIMED_RUNS``); never handed to stock
+where stock's graph would not run as eager does."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import torch
 import ca_dynsaved
 from ca_dynsaved import decision, runtime
 from helpers import Counts, assert_grads_equal, counts, on_whole_suite_release, run_loop, stock_counts
+from test_python_auto import ModFn
+from test_python_ctx import AnyScalarFn
 
 _TABLE = (1, 3, 5, 8)
 
@@ -186,38 +190,13 @@ class ClassmethodBackward(torch.autograd.Function):
         return g * x * 2.0, None
 
 
-class ModFn(torch.autograd.Function):
-    """``ctx.k % 1000`` in float math: with k dynamic, the backend's compile fails
-    (the tensorify pass cannot rebuild it)."""
-
-    @staticmethod
-    def forward(ctx, x, k, s):
-        ctx.k, ctx.s = k, s
-        return x * 1.0
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ((ctx.k % 1000 - 500) * ctx.s), None, None
-
-
-class BigIntFn(torch.autograd.Function):
-    """An int beyond int64 in the ctx: stock's compile raises."""
-
-    @staticmethod
-    def forward(ctx, x, v):
-        ctx.v = v
-        return x * 1.0
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * float(ctx.v % 1009), None
-
-
 #: name -> (apply, the reason's start): backwards stock's graph would not run as eager
 NEVER_STOCK = {
     "dynamo_fails": (lambda x, i: ClassmethodBackward.apply(x, "a"), "backward not traceable by Dynamo: tracing it failed"),
+    # test_python_auto's ModFn: ctx.k % 1000 in float math, which the backend cannot rebuild
     "float_not_rebuilt": (lambda x, i: ModFn.apply(x, 1003 + i, 0.5), "ctx.k reaches"),
-    "int_beyond_int64": (lambda x, i: BigIntFn.apply(x, 2**64 + 3 * i), "ctx.v is an int beyond int64"),
+    # test_python_ctx's AnyScalarFn: an int beyond int64, which stock's compile refuses
+    "int_beyond_int64": (lambda x, i: AnyScalarFn.apply(x, 2**64 + 3 * i), "ctx.v is an int beyond int64"),
 }
 
 

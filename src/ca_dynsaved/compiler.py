@@ -718,7 +718,8 @@ class DynSavedCompilerInstance(StockCompilerInstance):
             packer = runtime.Packer(self._scalar_kinds, tensors=self._packed_proxies is not None, owners=self._owners)
         derived = (self._derived[0], self._derived[1])
         common = (packer, self._nodes, self._capture, self.compiler_fn, tuple(self._dynamic_sources))
-        hold = runtime.Hold(any(t.held for t in self._tiers)) if self._tiers else None
+        held = any(t.held for t in self._tiers)  # else Python tiers only: measured (runtime.tiered)
+        hold = runtime.Hold(held) if self._tiers else None
         wrapper = runtime.make_runtime_wrapper(
             runtime_wrapper, self._graph_module, *common, tuple(self._checks), derived, hold=hold,
             unpacks=self._unpacks, fallback_base=self._fallback_base, combinations=combinations,
@@ -735,8 +736,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
                 )
 
             functions = tuple(dict.fromkeys(t.function for t in self._tiers))  # each once
-            measured = not any(t.held for t in self._tiers)  # Python tiers only
             wrapper = runtime.tiered(
-                wrapper, hold, specialised, special, self.compiler_fn, functions, self._capture, measured
+                wrapper, hold, specialised, special, self.compiler_fn, functions, self._capture, measured=not held
             )
         return wrapper, compiled_fn

@@ -103,7 +103,8 @@ class SentinelTrace:
 @dataclass(frozen=True)
 class Tiered:
     """A later combination of a C++ function's hashed values (``COMBINATIONS``), or a
-    Python backward Dynamo breaks the graph at: the capture holds both ways to run
+    Python backward stock would recompile for or break the graph at
+    (``_python_tiered``): the capture holds both ways to run
     the node, ``opaque`` (what runs first, sharing compiled code with the function's
     other later combinations) and ``traced`` (its own graph, traced with sentinels,
     or as stock traces it (``traced`` None: a C++ function that saves no numbers, a

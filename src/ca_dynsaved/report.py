@@ -168,8 +168,8 @@ class CaptureRecord:
     # the run on which its later hashed combinations got their own traced graph
     # (runtime.tiered), or 0
     specialised: int = 0
-    # the run on which that graph, having compiled in more than
-    # decision.RECOMPILING_RUNS runs after its first, gave way to the opaque one, or 0
+    # the run on which that graph gave way to the opaque one (it kept recompiling,
+    # or ran slower: runtime.tiered), or 0
     despecialised: int = 0
     # a measured tiered capture's (runtime.tiered) median run of its opaque graph and
     # of its own, in µs, once both are timed

@@ -591,15 +591,17 @@ def tiered(
     runs is slower than ``first``'s median over as many runs before the switch; and
     it is tried only once the run's sizes have stayed the same for that many runs
     (sizes that keep changing recompile stock's graph-broken pieces at every new
-    one). A
-    backward with ``create_graph=True`` always takes ``first``, whose eager run
-    records the backward's history."""
+    one). A backward with ``create_graph=True`` always takes ``first``, whose eager
+    run records the backward's history."""
     runs = 0
     chosen: list[Callable[..., Any]] = []
     asked = False  # COMBINATIONS once: a function at its cap stays opaque here
-    recompiling = -1  # runs of ``graph``'s code that compiled, its first not counted
-    # measured: the runs timed (``first``'s latest), the runs in a row with the same sizes
-    times: dict[str, Any] = {"first": collections.deque(maxlen=decision.TIMED_RUNS), "own": []}
+    # measured: runs of ``graph``'s code that compiled (its first not counted); the
+    # timed runs of ``first`` (its latest with steady sizes) and of ``graph``; the
+    # runs in a row whose sizes were the run before's
+    recompiling = -1
+    first_times: collections.deque[float] = collections.deque(maxlen=decision.TIMED_RUNS)
+    own_times: list[float] = []
     same_sizes, last_sizes = 0, None
 
     def give_way(why: str) -> None:
@@ -608,22 +610,29 @@ def tiered(
         record.despecialised = runs
         log.info("capture !%d: run %d: back to its opaque graph: %s", record.ca_id, runs, why)
 
-    def run_chosen(inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
+    def run_measured(inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
+        """``graph``'s run, watched for recompiles; timed until ``TIMED_RUNS`` of
+        its runs compiled nothing (a GPU run synchronises only then)."""
         nonlocal recompiling
         before = graphs_compiled()
-        out, seconds = _timed(chosen[0], inputs, sizes, scalars, hooks, packed_inputs)
+        if len(own_times) < decision.TIMED_RUNS:
+            out, seconds = _timed(chosen[0], inputs, sizes, scalars, hooks, packed_inputs)
+        else:
+            out, seconds = chosen[0](inputs, sizes, scalars, hooks, packed_inputs), None
         if graphs_compiled() != before:
             recompiling += 1
-            if measured and recompiling > decision.RECOMPILING_RUNS:  # churning, as under stock
+            if recompiling > decision.RECOMPILING_RUNS:  # churning, as under stock
                 give_way(f"its own graph compiled in {recompiling} runs after its first")
-        elif measured and len(times["own"]) < decision.TIMED_RUNS:
-            times["own"].append(seconds)
-            if len(times["own"]) == decision.TIMED_RUNS:
-                own, opaque_ = (statistics.median(times[k]) for k in ("own", "first"))
+        elif seconds is not None:
+            own_times.append(seconds)
+            if len(own_times) == decision.TIMED_RUNS:
+                own, opaque_ = statistics.median(own_times), statistics.median(first_times)
                 record.tier_times_us = (opaque_ * 1e6, own * 1e6)
                 if own > opaque_:
                     give_way(f"its own graph's runs take {own * 1e6:.0f} us, the opaque graph's {opaque_ * 1e6:.0f}")
         return out
+
+    run_chosen = run_measured if measured else (lambda *args: chosen[0](*args))
 
     @without_dynamo
     def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
@@ -650,9 +659,12 @@ def tiered(
             log.info("capture !%d: run %d: its own graph, tiered nodes traced (%s)",
                      record.ca_id, runs, ", ".join(name for name, _ in functions))
             return run_chosen(inputs, sizes, scalars, hooks, packed_inputs)
-        if measured and not asked and not grad and runs > 1:  # the first run (eager) not
+        # measured: the opaque graph's runs that may precede the switch (sizes as the
+        # run before's, the first run (eager) not) are timed
+        window = runs > decision.SPECIALISE_AFTER_RUNS - 1 - decision.TIMED_RUNS
+        if measured and not asked and not grad and same_sizes and window:
             out, seconds = _timed(first, compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
-            times["first"].append(seconds)
+            first_times.append(seconds)
             return out
         return first(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
 
