@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import ca_dynsaved
 from ca_dynsaved import UndefinedGradError, decision, probe, runtime
-from helpers import Counts, assert_grads_equal, counts, this_release
+from helpers import Counts, assert_grads_equal, counts, stock_counts, this_release
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 SUBNORMAL = 5e-324
@@ -162,12 +162,14 @@ def _python_compiles(seen: list[tuple[int, float, bool, str]]) -> int:
     """PyScaleFn's compiles over the steps ``seen``, as the plugin decides them. With
     ctx.flag, the backward multiplies by ``ctx.k % 1000``, which the backend cannot
     compile dynamic (the probe refuses it: opaque from the capture where the first
-    step has the flag, else each such combination uncompiled: runtime.Combinations);
-    without it, traced: Dynamo compiles each str once, and once more where ctx.s is a
-    NaN (it specialises NaN)."""
+    step has the flag, else each such combination runs the capture's opaque graph:
+    runtime.Combinations, one compile from that graph's second run); without it,
+    traced: Dynamo compiles each str once, and once more where ctx.s is a NaN (it
+    specialises NaN)."""
     if seen[0][2]:
         return 1  # opaque: one compile, from the capture's second run
-    return len({(mode, s != s) for _, s, flag, mode in seen if not flag})
+    away = sum(flag for _, _, flag, _ in seen)
+    return len({(mode, s != s) for _, s, flag, mode in seen if not flag}) + (away >= 2)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -189,33 +191,42 @@ def test_python_ctx_values(backend):
 
 
 def test_guarded_combinations_are_capped():
-    """A str new at every step: MAX_GUARDED_COMBINATIONS of them compile (Dynamo's
-    guard, as stock), later ones run the graph uncompiled; the report says so."""
+    """A str new at every step: MAX_GUARDED_COMBINATIONS - 1 of them compile (Dynamo's
+    guard, as stock); later ones run the capture's opaque graph, its one compile the
+    cap's last: stock's 8 compiles (Dynamo's recompile limit, then eager), and the
+    steps past it compiled (one eager run first, which learns the opaque op's
+    outputs); the report says so."""
     step = _leaf_grad(PyScaleFn.apply)
     limit = runtime.MAX_GUARDED_COMBINATIONS
-    _check_steps(step, [(3, 0.5 + i, False, f"mode{i}") for i in range(limit + 3)])
+    values = [(3, 0.5 + i, False, f"mode{i}") for i in range(limit + 4)]
+    assert stock_counts(lambda i: step(*values[i]), len(values)).compiles == limit
+    _check_steps(step, values)
     assert counts() == Counts(captures=1, compiles=limit, graph_breaks=0)
-    assert torch._dynamo.utils.counters["ca_dynsaved"]["guarded_eager_runs"] == 3
+    ours = torch._dynamo.utils.counters["ca_dynsaved"]
+    assert (ours["guarded_opaque_runs"], ours["guarded_eager_runs"], ours["first_eager_runs"]) == (5, 0, 1)
     (capture,) = ca_dynsaved.report().captures
-    assert [values for values, _ in capture.eager_combinations] == [
-        {"ctx.flag": False, "ctx.mode": f"mode{i}"} for i in range(limit, limit + 3)
+    assert capture.eager_combinations == []
+    assert [values for values, _ in capture.opaque_combinations] == [
+        {"ctx.flag": False, "ctx.mode": f"mode{i}"} for i in range(limit - 1, limit + 4)
     ]
-    assert {reason for _, reason in capture.eager_combinations} == {
-        f"the capture has compiled {limit} combinations of them"
+    assert {reason for _, reason in capture.opaque_combinations} == {
+        f"the capture has compiled {limit - 1} combinations of them"
     }
+    assert "run its opaque graph: the capture has compiled 7" in str(ca_dynsaved.report())
 
 
-def test_guarded_combination_the_probe_refuses_runs_uncompiled():
+def test_guarded_combination_the_probe_refuses_runs_opaque():
     """ctx.flag off at the capture: traced. Its first step with the flag on takes the
     branch with ``ctx.k % 1000``, which the backend cannot compile with k dynamic
     (stock CA fails there: BackendCompilerFailed); the probe refuses that
-    combination before Dynamo sees it, and it runs uncompiled. Eager's gradients."""
+    combination before Dynamo sees it, and it runs the capture's opaque graph (eager
+    at its first run, compiled from its second). Eager's gradients."""
     step = _leaf_grad(PyScaleFn.apply)
     _check_steps(step, [(3, 0.5, False, "square"), (4, 0.6, True, "square"), (5, 0.7, True, "square"), (6, 0.8, False, "square")])
-    assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
-    assert torch._dynamo.utils.counters["ca_dynsaved"]["guarded_eager_runs"] == 2
+    assert counts() == Counts(captures=1, compiles=2, graph_breaks=0)
+    assert torch._dynamo.utils.counters["ca_dynsaved"]["guarded_opaque_runs"] == 2
     (capture,) = ca_dynsaved.report().captures
-    ((values, reason),) = capture.eager_combinations
+    ((values, reason),) = capture.opaque_combinations
     assert values == {"ctx.flag": True, "ctx.mode": "square"}
     words = this_release({"2.11": "through Python arithmetic", "2.12": "through Python arithmetic", "2.13": probe.CANNOT_REBUILD,
                           "2.14": probe.CANNOT_REBUILD, "2.15": probe.CANNOT_REBUILD})

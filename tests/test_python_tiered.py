@@ -284,3 +284,58 @@ def test_sizes_that_keep_changing_keep_the_opaque_graph(promote_at_3):
     run_loop(lambda i: step(i + 9), lambda: ca_dynsaved.enable(backend="aot_eager"), steps=4)
     assert _capture()["specialised"] == 12  # steps 9-11 of size 6: the third
     assert counts() == Counts(captures=1, compiles=6, graph_breaks=3)
+
+
+def _mixed_step(mode):
+    """ScaledLookup (tiered: Dynamo breaks at it) then test_properties' PyScaleFn
+    (traced, its ctx.mode guarded: ``mode(i)``) in one capture."""
+    from test_properties import PyScaleFn
+
+    def step(i: int):
+        x = torch.linspace(-1.0, 1.0, 6, requires_grad=True)
+        y = ScaledLookup.apply(x * 2, 1.5, 4)
+        PyScaleFn.apply(y, 3, 0.5 + i, False, mode(i)).sum().backward()
+        return (x.grad,)
+
+    return step
+
+
+def test_a_guarded_node_beside_a_tiered_one_takes_the_capture_s_way(promote_at_3):
+    """Both nodes are opaque in the capture's opaque graph, which runs first (the
+    tiered node's way, ``runtime.MEASURED``); from run 3 the graph with both traced,
+    where a new ctx.mode compiles (Dynamo's guard) until the capture's churn rule
+    sends it back to its opaque graph for good: a str new every step ends
+    compiled, with no more compiles (stock: to Dynamo's recompile limit). Eager's
+    gradients at every step."""
+    step = _mixed_step(lambda i: f"m{i}")
+    assert stock_counts(step, 16) == Counts(captures=1, compiles=11, graph_breaks=10)
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=8)
+    assert counts() == Counts(captures=1, compiles=8, graph_breaks=6)
+    capture = _capture()
+    assert (capture["specialised"], capture["despecialised"]) == (3, 6)
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=8)
+    assert counts() == Counts(captures=1, compiles=8, graph_breaks=6)
+
+
+def test_guarded_values_create_graph():
+    """A double backward through a traced node with a guarded ctx.mode: the traced
+    graph compiled as stock compiles it (a capture with create_graph and one
+    without), never the opaque graph's eager run; equal to eager throughout, fewer
+    compiles than stock (ctx.s new every step: one compile, not two, each)."""
+    from test_properties import PyScaleFn
+
+    def grads(i: int, create_graph: bool):
+        x = torch.linspace(-1.0, 1.0, 6, dtype=torch.float64, requires_grad=True)
+        (g,) = torch.autograd.grad(PyScaleFn.apply(x * x, 3, 0.5 + i, False, "square").sum(), x, create_graph=create_graph)
+        if create_graph:
+            (g,) = torch.autograd.grad(g.sum(), x)
+        return (g,)
+
+    sequence = [True, False, False, True, False]
+    assert stock_counts(lambda i: grads(i, sequence[i]), 5) == Counts(captures=3, compiles=5, graph_breaks=0)
+    for i, create_graph in enumerate(sequence):
+        with ca_dynsaved.enable(backend="aot_eager"):
+            got = grads(i, create_graph)
+        assert_grads_equal(got, grads(i, create_graph))
+    assert counts() == Counts(captures=2, compiles=3, graph_breaks=0)
+    assert torch._dynamo.utils.counters["ca_dynsaved"]["create_graph_eager_runs"] == 0

@@ -77,7 +77,7 @@ class _Tier:
     traced: list[torch.fx.Node]  # what its trace recorded (in-place ops included)
     check: "runtime.Check | None"  # verify's, for the specialised graph only
     function: tuple[str, tuple[str, ...]]  # (name, saved keys): COMBINATIONS' count
-    held: bool  # its opaque graph uncompiled until then (a C++ node's later combination)
+    way: str  # how the capture chooses between its graphs (runtime.tiered)
 
 
 def _keep(*args: Any) -> None:
@@ -149,6 +149,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         self._unpack_calls: list[tuple[torch.fx.Node, int, int]] = []
         self._unpacks: checkpoint.Unpacks | None = None
         self._guarded: list[runtime.GuardedNode] = []  # traced Python nodes that read bools / strs
+        self._guarded_untiered = False  # one of them has no opaque op (opaque.Unexpressible)
         return out
 
     @_disable
@@ -372,7 +373,10 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         except opaque.Unexpressible as e:
             # No opaque op for it: the capture's graph is the traced one, as for a
             # combination of the function's first capture (a Python node: stock's).
-            if pending.call is None:
+            if tier.guarded is not None:  # its combinations past the cap run the graph uncompiled
+                traced_ = dataclasses.replace(pending.decision, plan=tier.guarded)
+                self._guarded_untiered = True
+            elif pending.call is None:
                 traced_ = pending.decision.demoted(str(e))
             elif tier.traced is None:
                 traced_ = pending.decision.demoted(f"{HASHED_ONLY} ({e})")
@@ -388,10 +392,11 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         keep = self.fx_tracer.create_proxy("call_function", _keep, (proxy_out,), {})
         validated = [None if o is None else self.to_proxy(o).node for o in outputs]
         if pending.call is not None:
-            function, held = (pending.call.name, pending.call.keys), True
-        else:  # a Python backward Dynamo breaks at: its opaque graph compiled from the start
-            function, held = (pending.decision.name, tuple(key for key, *_ in pending.decision.saved)), False
-        self._tiers.append(_Tier(proxy_out.node, keep.node, validated, self._last_region, check, function, held))
+            function, way = (pending.call.name, pending.call.keys), runtime.HELD
+        else:  # Python: its opaque graph compiled when it runs
+            function = (pending.decision.name, tuple(key for key, *_ in pending.decision.saved))
+            way = runtime.MEASURED if tier.guarded is None else runtime.GUARDED
+        self._tiers.append(_Tier(proxy_out.node, keep.node, validated, self._last_region, check, function, way))
 
     def _place_derived(self, plan: sentinel.Plan, nodes: list[Any]) -> tuple[tuple[tuple[int, int], ...], ...]:
         """The graph reads each value the node computes from its numbers (a
@@ -443,8 +448,10 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         if decision is None:
             return stock()  # torch's own compiled backward, not a user function
         if isinstance(decision.plan, Tiered):
-            # stock's call (its pieces' graph); its opaque op too, emitted in
-            # validate_outputs (_emit_tier)
+            # stock's call (its pieces' graph, or its trace with the numbers dynamic);
+            # its opaque op too, emitted in validate_outputs (_emit_tier)
+            if decision.plan.guarded is not None:
+                self._traced_python(decision.plan.guarded, backward_idx, decision.name, saved_tensors, output_metadatas)
             graph = self.fx_tracer.graph
             before = len(graph.nodes)
             out = stock()
@@ -457,13 +464,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         if decision.handling != OPAQUE:
             self._record(decision, backward_idx)
             if isinstance(decision.plan, PythonTrace):
-                # Stock tracing, with the ctx numbers dynamic from the first compile.
-                self._dynamic_sources.extend(decision.plan.sources)
-                if decision.plan.guarded:  # each new combination probed before it compiles
-                    self._guarded.append(runtime.GuardedNode(
-                        decision.name, backward_idx, decision.plan.guarded, tuple(saved_tensors),
-                        tuple(m is not None for m in output_metadatas),
-                    ))
+                self._traced_python(decision.plan, backward_idx, decision.name, saved_tensors, output_metadatas)
             return stock()
         # One metadata per forward input, None where the input was not a tensor;
         # C++ keeps the backward's outputs at the tensor positions only.
@@ -473,6 +474,15 @@ class DynSavedCompilerInstance(StockCompilerInstance):
             decision, list(inputs), dummies, stock, hook=backward_idx, saved=tuple(saved_tensors)
         )
         return tuple(dummies)
+
+    def _traced_python(self, plan: PythonTrace, hook: int, name: str, saved: Sequence[Any], metadatas: Sequence[Any]) -> None:
+        """Stock tracing, with the ctx numbers dynamic from the first compile; each
+        new combination of its guarded values probed before it compiles."""
+        self._dynamic_sources.extend(plan.sources)
+        if plan.guarded:
+            self._guarded.append(runtime.GuardedNode(
+                name, hook, plan.guarded, tuple(saved), tuple(m is not None for m in metadatas)
+            ))
 
     @_disable
     def validate_outputs(self, _, outputs, args, output_metadata):  # type: ignore[no-untyped-def,override]
@@ -515,7 +525,9 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         key, tensors, symints, reads_scalars = opaque.node_spec(deferred.decision.name, call_args, meta, self._lifted)
         slot = len(self._nodes)
         self._nodes.append(opaque.NodeCapture(deferred.fn, plan.captured))
-        self._record(deferred.decision, deferred.hook)
+        guarded = deferred.tier.guarded if deferred.tier is not None else None
+        # a guarded Python node: recorded as what runs first, its trace
+        self._record(deferred.decision if guarded is None else dataclasses.replace(deferred.decision, plan=guarded), deferred.hook)
         grads, tensors, symints = self.to_proxy(deferred.grads), self.to_proxy(tensors), self.to_proxy(symints)
         if deferred.call is not None:
             # Its lifted numbers reach the op through the run (binding.bound_run).
@@ -708,7 +720,10 @@ class DynSavedCompilerInstance(StockCompilerInstance):
             log.debug("capture !%d graph:\n%s", self.id, self._graph_module.code)
         # Before Dynamo's first compile of the graph, which its first call makes.
         mark_dynamic_scalars(self._graph_module.forward.__code__, self._dynamic_sources)
-        combinations = runtime.Combinations(self._guarded, self._capture) if self._guarded else None
+        # The combinations past the cap run the capture's opaque graph, whose compile
+        # is then one of the cap's (runtime.Combinations), or the graph uncompiled.
+        shared = bool(self._guarded) and not self._guarded_untiered
+        combinations = runtime.Combinations(self._guarded, self._capture, shared) if self._guarded else None
         if not self._nodes and not self._capture.observes and not self._checks and self._unpacks is None and not combinations:
             return runtime_wrapper, compiled_fn
         if self._unpacks is not None:
@@ -718,11 +733,12 @@ class DynSavedCompilerInstance(StockCompilerInstance):
             packer = runtime.Packer(self._scalar_kinds, tensors=self._packed_proxies is not None, owners=self._owners)
         derived = (self._derived[0], self._derived[1])
         common = (packer, self._nodes, self._capture, self.compiler_fn, tuple(self._dynamic_sources))
-        held = any(t.held for t in self._tiers)  # else Python tiers only: measured (runtime.tiered)
-        hold = runtime.Hold(held) if self._tiers else None
+        way = runtime.tier_way([t.way for t in self._tiers])
+        hold = runtime.Hold(way == runtime.HELD) if self._tiers else None
         wrapper = runtime.make_runtime_wrapper(
             runtime_wrapper, self._graph_module, *common, tuple(self._checks), derived, hold=hold,
-            unpacks=self._unpacks, fallback_base=self._fallback_base, combinations=combinations,
+            unpacks=self._unpacks, fallback_base=self._fallback_base,
+            combinations=None if shared else combinations,  # shared: the guarded nodes are opaque there
         )
         if self._tiers:
             special = self._specialised
@@ -737,6 +753,6 @@ class DynSavedCompilerInstance(StockCompilerInstance):
 
             functions = tuple(dict.fromkeys(t.function for t in self._tiers))  # each once
             wrapper = runtime.tiered(
-                wrapper, hold, specialised, special, self.compiler_fn, functions, self._capture, measured=not held
+                wrapper, hold, specialised, special, self.compiler_fn, functions, self._capture, way
             )
         return wrapper, compiled_fn

@@ -113,6 +113,10 @@ class Tiered:
 
     opaque: "OpaqueCall"
     traced: SentinelTrace | None  # None: no saved numbers, stock's trace
+    #: A traced Python node with guarded values (``PythonTrace.guarded``): its
+    #: traced graph runs from the first run; its opaque op, in the capture's opaque
+    #: graph, takes the combinations ``runtime.Combinations`` sends away
+    guarded: "PythonTrace | None" = None
 
 
 @dataclass(frozen=True)
@@ -393,6 +397,8 @@ def decide_python(
         return _python_tiered(opaque, breaks)
     if has_numbers:
         plan = PythonTrace(tuple(pyctx.dynamic_sources(ctx, hook)), verdict.guarded)
+        if plan.guarded:  # also its opaque op: the shared graph past the combinations' cap
+            return dataclasses.replace(node, handling=TRACED, reason=verdict.reason, plan=Tiered(opaque.plan, None, plan))  # type: ignore[arg-type]
         return dataclasses.replace(node, handling=TRACED, reason=verdict.reason, plan=plan)
     return dataclasses.replace(
         node,

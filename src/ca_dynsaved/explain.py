@@ -137,6 +137,8 @@ def format_table(rep: Report) -> str:
             notes.append(f"{name}: verify ran it opaque for saved {values}: {reason}")
         for values, reason in capture.eager_combinations:
             notes.append(f"capture !{capture.ca_id}: {values} run its graph uncompiled: {reason}")
+        for values, reason in capture.opaque_combinations:
+            notes.append(f"capture !{capture.ca_id}: {values} run its opaque graph: {reason}")
     for record in rep.uncaptured:
         notes.append(f"backward of {', '.join(dict.fromkeys(record.nodes)) or 'a graph'}: {record.reason}")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

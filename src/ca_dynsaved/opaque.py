@@ -414,3 +414,8 @@ for _op in (CPP_OP, PY_OP, CHAIN_OP):
 RUNNERS = {CPP_OP: run_cpp, PY_OP: run_python, CHAIN_OP: run_chain}
 #: Position of the ``key`` argument of each op.
 KEY_ARG = {CPP_OP: 3, PY_OP: 3}
+
+
+def slots_in(graph: torch.fx.Graph) -> list[int]:
+    """The slots (``NodeCapture`` indices) of the opaque ops in ``graph``."""
+    return [node.args[KEY_ARG[node.target] + 1] for node in graph.nodes if node.target in KEY_ARG]

@@ -181,6 +181,9 @@ class CaptureRecord:
     # combinations of the bools / strs its traced Python nodes read that run its
     # graph uncompiled (runtime.Combinations): (ctx.name -> value, why)
     eager_combinations: list[tuple[dict[str, Any], str]] = field(default_factory=list)
+    # those that run the capture's opaque graph instead, where every such node has
+    # its opaque op there (runtime.Combinations.shared)
+    opaque_combinations: list[tuple[dict[str, Any], str]] = field(default_factory=list)
     # runs observed and not yet seen by the report's keys (observe / _flush), and
     # the (hook index, ctx attribute) of each of their hook values
     _rows: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = field(default_factory=list, repr=False)

@@ -287,7 +287,9 @@ class GuardedNode:
 
 #: Combinations of a capture's guarded ctx values (``Combinations``) that may compile:
 #: each is a compile (Dynamo guards them, as under stock CA); past these, a new one
-#: runs the graph uncompiled, as stock runs one past Dynamo's recompile limit.
+#: runs the capture's opaque graph, compiled once, its compile the cap's last (so
+#: never more compiles than stock, which runs eagerly past Dynamo's recompile limit
+#: of 8), or, where a guarded node has no opaque op, the graph uncompiled, as stock.
 MAX_GUARDED_COMBINATIONS = 8
 
 
@@ -298,30 +300,34 @@ class Combinations:
     needs its value, a float the backend cannot take). So each new combination is
     probed (``probe.verdict``, the real ctx's values) before Dynamo compiles it: one
     the probe traces runs compiled (Dynamo's guard on it, a compile, as stock); one
-    it refuses, or one past ``MAX_GUARDED_COMBINATIONS``, runs the graph uncompiled,
-    eagerly, each time it comes (``eager``)."""
+    it refuses, or one past ``MAX_GUARDED_COMBINATIONS``, is sent away (``away``)
+    each time it comes: where ``shared`` (every guarded node also has its opaque op
+    in the capture's opaque graph: ``tiered``'s ``GUARDED``) to that graph, compiled,
+    else to the graph run uncompiled, eagerly."""
 
-    def __init__(self, nodes: Sequence[GuardedNode], record: CaptureRecord) -> None:
+    def __init__(self, nodes: Sequence[GuardedNode], record: CaptureRecord, shared: bool = False) -> None:
         self.nodes = tuple(nodes)
         self.record = record
+        self.shared = shared
         self._reads = [(node.hook, name) for node in self.nodes for name in node.guarded]
-        self._eager: dict[tuple[Any, ...], bool] = {}  # combination -> runs uncompiled
+        self._away: dict[tuple[Any, ...], bool] = {}  # combination -> sent away
         self._compiled = 0
+        self._cap = MAX_GUARDED_COMBINATIONS - 1 if shared else MAX_GUARDED_COMBINATIONS
 
-    def eager(self, hooks: Sequence[Any]) -> bool:
-        """Whether this run's combination runs the graph uncompiled."""
+    def away(self, hooks: Sequence[Any]) -> bool:
+        """Whether this run's combination is sent away from the traced graph."""
         combination = tuple(getattr(hooks[i], name, None) for i, name in self._reads)
-        found = self._eager.get(combination)
+        found = self._away.get(combination)
         if found is None:
-            found = self._eager[combination] = self._refusal(hooks, combination)
+            found = self._away[combination] = self._refusal(hooks, combination)
         return found
 
     def _refusal(self, hooks: Sequence[Any], combination: tuple[Any, ...]) -> bool:
         from . import probe
 
         reason = ""
-        if self._compiled >= MAX_GUARDED_COMBINATIONS:
-            reason = f"the capture has compiled {MAX_GUARDED_COMBINATIONS} combinations of them"
+        if self._compiled >= self._cap:
+            reason = f"the capture has compiled {self._cap} combinations of them"
         for node in self.nodes if not reason else ():
             verdict = probe.verdict(hooks[node.hook], node.saved, node.tensor_inputs)
             if not verdict.traced:
@@ -331,8 +337,12 @@ class Combinations:
             self._compiled += 1
             return False
         values = dict(zip((f"ctx.{name}" for _, name in self._reads), combination))
-        self.record.eager_combinations.append((values, reason))
-        log.info("capture !%d: %s run uncompiled: %s", self.record.ca_id, values, reason)
+        if self.shared:
+            self.record.opaque_combinations.append((values, reason))
+        else:
+            self.record.eager_combinations.append((values, reason))
+        where = "the capture's opaque graph" if self.shared else "the graph uncompiled"
+        log.info("capture !%d: %s run %s: %s", self.record.ca_id, values, where, reason)
         return True
 
 
@@ -455,9 +465,12 @@ def make_runtime_wrapper(
     ``unpacks``: the graph's checkpoint unpacks, whose ``like`` tensors each run
     appends to the scalars (a run that cannot describe them takes the stock twin),
     learned on the first run, which is eager; ``combinations``: a run whose guarded
-    ctx values it says run uncompiled takes the graph eagerly. A lifted value whose
+    ctx values it sends away takes ``refused`` where it is ``shared`` (this graph a
+    tiered capture's traced one), else this graph eagerly. A lifted value whose
     type is not its capture's raises before anything runs (``SavedTypeChangedError``)."""
-    compiled: list[Callable[..., Any]] = []  # set once every node has run
+    compiled: list[Callable[..., Any]] = []  # set once every node in the graph has run
+    # a tiered capture's traced graph lacks its tiered nodes' opaque ops
+    learning = [nodes[slot] for slot in opaque.slots_in(graph_module.graph)]
     # Only a Python opaque node and a checkpoint unpack run under the caller's
     # dispatch keys: read them then.
     python = any(node.fn is None for node in nodes) or unpacks is not None
@@ -475,8 +488,13 @@ def make_runtime_wrapper(
                 record.refuse(checks[i].name, checks[i].named([scalars[j] for j in checks[i].indices]), reason)
             if refused is not None:
                 return refused(inputs, sizes, scalars, hooks, packed_inputs)
+        eager = combinations is not None and combinations.away(hooks)
+        if eager and combinations.shared:  # type: ignore[union-attr]
+            # this graph is a tiered capture's traced one: its opaque graph takes it
+            assert refused is not None
+            counters["ca_dynsaved"]["guarded_opaque_runs"] += 1
+            return refused(inputs, sizes, scalars, hooks, packed_inputs)
         record.observe(scalars, hooks)
-        eager = combinations is not None and combinations.eager(hooks)
         if eager:
             counters["ca_dynsaved"]["guarded_eager_runs"] += 1
         ints: Sequence[int] = ()
@@ -516,14 +534,14 @@ def make_runtime_wrapper(
                 fn = graph_module
             return runtime_wrapper(fn, inputs, sizes, scalars, hooks, packed_inputs)
         learned = unpacks is None or unpacks.learned
-        if not compiled and learned and all(node.defined is not None for node in nodes) and not (hold and hold.on):
+        if not compiled and learned and all(node.defined is not None for node in learning) and not (hold and hold.on):
             reuse.name_learned_outputs(graph_module, nodes)
             fuse.chains(graph_module)  # new code: mark it again
             mark_dynamic_scalars(graph_module.forward.__code__, dynamic_sources)
             fn, record.compiled = reuse.compiled_for(graph_module, compiled_fn, compiler_fn)
             compiled.append(fn)
             log.info("capture !%d: first run done; %s code", record.ca_id, record.compiled)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and learning:  # its opaque ops called directly
             counters["ca_dynsaved"]["create_graph_eager_runs"] += 1
             fn = _Differentiable(graph_module).run_to_list
         elif compiled and not eager:
@@ -564,6 +582,22 @@ class Hold:
     on: bool = True
 
 
+#: How a tiered capture chooses between its graphs (``tiered``), by its nodes: a C++
+#: node's later combination (held: ``first`` uncompiled until the switch), a Python
+#: backward stock would recompile for or break at (measured), a traced Python node
+#: with guarded values (guarded: ``graph`` from the first run).
+HELD, MEASURED, GUARDED = "held", "measured", "guarded"
+
+
+def tier_way(ways: Sequence[str]) -> str:
+    """A capture's way from its tiered nodes': held if one is, guarded if all are,
+    else measured (a guarded node's combinations past the cap then take ``first``
+    from the switch on, as in the other ways)."""
+    if HELD in ways:
+        return HELD
+    return GUARDED if ways and all(way == GUARDED for way in ways) else MEASURED
+
+
 def tiered(
     first: Callable[..., Any],
     hold: Hold,
@@ -572,7 +606,7 @@ def tiered(
     compiler_fn: Callable[..., Any],
     functions: Sequence[tuple[str, tuple[str, ...]]],
     record: CaptureRecord,
-    measured: bool = False,
+    way: str = HELD,
 ) -> Callable[..., Any]:
     """The runtime wrapper of a capture with tiered nodes (``decision.Tiered``):
     ``first`` (its graph with them opaque), run eagerly while ``hold`` is on, until
@@ -583,7 +617,9 @@ def tiered(
     the functions' other combinations at their cap). So a C++ function's later
     combination that repeats costs stock's one compile, one that does not come back
     16 times none; eager runs cost little against a compile (docs/cpp.md, "Hashed
-    values"). ``measured`` (Python nodes tiered for a graph break or a number they
+    values"). ``GUARDED``: ``graph`` compiled from the first run, ``first`` (compiled
+    when it first runs) for the combinations ``Combinations`` sends away.
+    ``MEASURED`` (Python nodes tiered for a graph break or a number they
     specialise on: ``first`` compiled from the start, ``hold`` off; ``graph`` as
     stock made it, guarded by Dynamo as stock): ``graph`` gives way to ``first`` for
     good where it compiles in more than ``decision.RECOMPILING_RUNS`` runs after its
@@ -632,28 +668,36 @@ def tiered(
                     give_way(f"its own graph's runs take {own * 1e6:.0f} us, the opaque graph's {opaque_ * 1e6:.0f}")
         return out
 
+    measured = way == MEASURED
     run_chosen = run_measured if measured else (lambda *args: chosen[0](*args))
+
+    def choose(compiled_fn: Callable[..., Any]) -> None:
+        own = compiler_fn(graph)
+        run = specialised(lambda *args: first(compiled_fn, *args))
+        chosen.append(lambda *args: run(own, *args))
 
     @without_dynamo
     def wrapper(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs):  # type: ignore[no-untyped-def]
         nonlocal runs, asked, same_sizes, last_sizes
         grad = torch.is_grad_enabled()
         runs += 1
-        if chosen and not grad:
+        if chosen and (not grad or way == GUARDED):  # GUARDED: its graph is stock's, with create_graph too
+            return run_chosen(inputs, sizes, scalars, hooks, packed_inputs)
+        if way == GUARDED and not asked:
+            asked = True
+            choose(compiled_fn)
             return run_chosen(inputs, sizes, scalars, hooks, packed_inputs)
         steady = True
         if measured and not asked:
             same_sizes = same_sizes + 1 if sizes == last_sizes else 0
             last_sizes = list(sizes)
             steady = same_sizes >= min(decision.TIMED_RUNS, decision.SPECIALISE_AFTER_RUNS - 1)
-        if not asked and not grad and runs >= decision.SPECIALISE_AFTER_RUNS and steady:
+        if way != GUARDED and not asked and not grad and runs >= decision.SPECIALISE_AFTER_RUNS and steady:
             asked = True
             if not decision.COMBINATIONS.promote(functions):
                 hold.on = False  # at the cap: opaque for good, compiled
                 return first(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
-            own = compiler_fn(graph)
-            run = specialised(lambda *args: first(compiled_fn, *args))
-            chosen.append(lambda *args: run(own, *args))
+            choose(compiled_fn)
             record.specialised = runs
             counters["ca_dynsaved"]["specialised_captures"] += 1
             log.info("capture !%d: run %d: its own graph, tiered nodes traced (%s)",
