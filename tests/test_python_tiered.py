@@ -339,3 +339,29 @@ def test_guarded_values_create_graph():
         assert_grads_equal(got, grads(i, create_graph))
     assert counts() == Counts(captures=2, compiles=3, graph_breaks=0)
     assert torch._dynamo.utils.counters["ca_dynsaved"]["create_graph_eager_runs"] == 0
+
+
+@pytest.mark.every_release
+@pytest.mark.parametrize("fn", ["guarded", "tiered"])
+def test_a_leaf_s_gradient_straight_from_the_node(promote_at_3, fn):
+    """The node's input is a leaf: CA pulls its accumulate_grad up to right after the
+    traced output, before the opaque op, which the opaque graph then feeds (its order
+    fixed before CA's dead-code pass lints it). A guarded node (a ctx str beside a
+    float) and a tiered one (Dynamo breaks at it); eager's gradients, stock's
+    compiles or fewer."""
+    from test_properties import PyScaleFn
+
+    def step(i: int):
+        x = torch.linspace(-1.0, 1.0, 6, requires_grad=True)
+        if fn == "guarded":
+            PyScaleFn.apply(x, 3, 0.5 + i, False, "square").sum().backward()
+        else:
+            ScaledLookup.apply(x, 1.5, 4).sum().backward()
+        return (x.grad,)
+
+    stock = stock_counts(step, 6)
+    run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=6)
+    if fn == "guarded":  # the float dynamic from the first compile; stock: constant, then dynamic
+        assert (stock.compiles, counts()) == (2, Counts(captures=1, compiles=1, graph_breaks=0))
+    else:  # stock's graph from run 3, the opaque graph's compile before it
+        assert counts() == Counts(captures=1, compiles=stock.compiles + 1, graph_breaks=stock.graph_breaks)

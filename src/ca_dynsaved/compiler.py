@@ -686,8 +686,8 @@ class DynSavedCompilerInstance(StockCompilerInstance):
             for node in [*validation, *reversed(tier.traced)]:
                 if node in alive and not node.users:
                     erase(node)
+        runtime.after_inputs(graph)  # before the dead-code pass, whose lint checks the order
         self.dce()
-        runtime.after_inputs(graph)
 
     def _packed_value_node(self, symnode: Any, as_float: bool) -> torch.fx.Node:
         """A 0-dim tensor node of the lifted scalar ``symnode``'s packed value (an int
