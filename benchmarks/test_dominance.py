@@ -12,7 +12,8 @@ alternate within each pass. The steady step is the smallest of the passes' media
 of its first steps (a capture a step) takes the median of those steps, compiles
 included, without more passes. The 2,000-step total: the first steps as measured,
 then the steady step. The quick mode (the suite: aot_eager, a few steps) checks the
-counts against the committed ``results/dominance.json``."""
+plugin's counts against the committed ``results/dominance.json``, and its compiles
+against stock's there."""
 
 from __future__ import annotations
 
@@ -108,16 +109,20 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_dominance(benchmark, dominance_ext, full_run, model_name, kind, schedule):
     net, x = model(model_name, kind, dominance_ext)
-    quick = {config: _quick_counts(net, x, schedule, config) for config in CONFIGS}
     if not full_run:
+        # The plugin's counts only: stock's are torch's, not this code's (the full run
+        # measures them; their committed quick counts are the bound here), and its
+        # recompiles to the limit were half the quick mode's time.
+        plugin = _quick_counts(net, x, schedule, "plugin")
         committed = {_key(r): r["quick_counts"] for r in json.loads(RESULTS.read_text())["results"]}
-        for config in CONFIGS:
-            key = (model_name, kind, schedule, config)
-            assert committed.get(key) == quick[config], (
-                f"{RESULTS.name} is stale for {key}: it shows {committed.get(key)}, the code gives {quick[config]}; "
-                "run `pytest benchmarks/test_dominance.py --benchmark-only` and `python benchmarks/report.py`"
-            )
+        key = (model_name, kind, schedule, "plugin")
+        assert committed.get(key) == plugin, (
+            f"{RESULTS.name} is stale for {key}: it shows {committed.get(key)}, the code gives {plugin}; "
+            "run `pytest benchmarks/test_dominance.py --benchmark-only` and `python benchmarks/report.py`"
+        )
+        assert plugin["compiles"] <= committed[(*key[:3], "stock")]["compiles"]
         return
+    quick = {config: _quick_counts(net, x, schedule, config) for config in CONFIGS}
     first, warm = FIRST[schedule], WARM[schedule]
     results: dict[str, dict[str, Any]] = {}
     medians: dict[str, list[float]] = {c: [] for c in CONFIGS}

@@ -1,7 +1,10 @@
 """The plugin inside DistributedDataParallel and FSDP2: CPU processes, gloo,
 loopback; every rank compared with the same run in eager. One launch per world
 size trains every DDP mode and FSDP2 case once per rank, in one process per rank
-(dist_worker); every child is killed when a rank stops answering."""
+(dist_worker); every child is killed when a rank stops answering. The 2-rank
+launch runs on every release and holds every mode and case; the 4-rank one (the
+compiled DDP step and two FSDP2 cases again, on 2 cores the slowest launch) runs
+with the whole suite only."""
 
 from __future__ import annotations
 
@@ -19,9 +22,10 @@ from fsdp2_worker import Case
 from helpers import this_release
 
 #: Every test here spawns ranks: alone on the machine under xdist (conftest.py). DDP
-#: and FSDP2 run on every release (FSDP2's code differs by release; 2.11: its hooks
-#: are not disabled; stock CA's baselines differ too).
-pytestmark = [pytest.mark.serial, pytest.mark.every_release, pytest.mark.slow]
+#: and FSDP2 run on every release at 2 ranks (FSDP2's code differs by release; 2.11:
+#: its hooks are not disabled; stock CA's baselines differ too).
+pytestmark = [pytest.mark.serial, pytest.mark.slow]
+every_release = pytest.mark.every_release
 
 #: The longest a rank may go without a word (a job started, or its results): one
 #: job's worst case on a loaded 2-core machine, the first one's imports and gloo
@@ -84,14 +88,15 @@ def _launch(world: int, jobs: Sequence[dist_worker.Job]) -> list[dict]:
 
 
 # --- the two launches --------------------------------------------------------------
-#: DDP modes per world size: 2 ranks with saved values differing by rank, 4 ranks
-#: with the step under torch.compile (same values on every rank).
+#: DDP modes: saved values differing by rank (2 ranks), and the step under
+#: torch.compile with the same values on every rank (2 ranks, and 4 with the whole
+#: suite).
 DDP_2_RANKS = ("eager", "plugin", "cpp_reducer")
-DDP_4_RANKS = ("eager", "compiled_config_stock", "compiled_config")
+DDP_COMPILED = ("eager_same", "compiled_config_stock", "compiled_config")
 
 
 def _ddp_jobs(modes: Sequence[str], same: bool) -> list[dist_worker.Job]:
-    return [(("ddp", mode), "ddp_worker", (mode, same)) for mode in modes]
+    return [(("ddp", mode), "ddp_worker", (mode.removesuffix("_same"), same)) for mode in modes]
 
 
 def _fsdp2_jobs(cases: Sequence[Case]) -> list[dist_worker.Job]:
@@ -102,12 +107,17 @@ def _fsdp2_jobs(cases: Sequence[Case]) -> list[dist_worker.Job]:
 
 @pytest.fixture(scope="module")
 def two_ranks(ext) -> list[dict]:
-    return _launch(2, _ddp_jobs(DDP_2_RANKS, False) + _fsdp2_jobs([*_fsdp2_cases(FSDP2_CASES), *STOCK_CASES.values()]))
+    return _launch(2, [
+        # the compiled step first: the FSDP2 jobs then start after cpp_reducer's
+        # job, as they always have (optimize_ddp is left as that job set it)
+        *_ddp_jobs(DDP_COMPILED, True), *_ddp_jobs(DDP_2_RANKS, False),
+        *_fsdp2_jobs([*_fsdp2_cases(FSDP2_CASES), *STOCK_CASES.values()]),
+    ])
 
 
 @pytest.fixture(scope="module")
 def four_ranks(ext) -> list[dict]:
-    return _launch(4, _ddp_jobs(DDP_4_RANKS, True) + _fsdp2_jobs(_fsdp2_cases(FSDP2_4_RANKS)))
+    return _launch(4, _ddp_jobs(DDP_COMPILED, True) + _fsdp2_jobs(_fsdp2_cases(FSDP2_4_RANKS)))
 
 
 def _ddp(results: list[dict], modes: Sequence[str]) -> list[dict]:
@@ -119,9 +129,10 @@ def ddp_2_ranks(two_ranks) -> list[dict]:
     return _ddp(two_ranks, DDP_2_RANKS)
 
 
-@pytest.fixture(scope="module")
-def ddp_4_ranks_compiled(four_ranks) -> list[dict]:
-    return _ddp(four_ranks, DDP_4_RANKS)
+@pytest.fixture(params=[pytest.param(2, marks=every_release), 4], ids=["2_ranks", "4_ranks"])
+def ddp_compiled(request) -> list[dict]:
+    launch = request.getfixturevalue({2: "two_ranks", 4: "four_ranks"}[request.param])
+    return _ddp(launch, DDP_COMPILED)
 
 
 def _ok(result: dict) -> dict:
@@ -143,6 +154,7 @@ def _assert_ranks_agree(results: list[dict], mode: str) -> None:
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b))
 
 
+@every_release
 def test_ddp_matches_eager_ddp_with_one_compile_per_rank(ddp_2_ranks):
     """The plugin around backward, saved values differing by rank."""
     for r in ddp_2_ranks:
@@ -152,14 +164,14 @@ def test_ddp_matches_eager_ddp_with_one_compile_per_rank(ddp_2_ranks):
     _assert_ranks_agree(ddp_2_ranks, "plugin")
 
 
-def test_ddp_compiled_model_on_the_config_path_4_ranks(ddp_4_ranks_compiled):
+def test_ddp_compiled_model_on_the_config_path(ddp_compiled):
     """The training step under torch.compile with compiled_autograd on (and the
-    plugin's flag, or not: stock), optimize_ddp="python_reducer", 4 ranks:
+    plugin's flag, or not: stock), optimize_ddp="python_reducer", 2 and 4 ranks:
     parameters and every step's gradients equal eager DDP's on each rank."""
-    for r in ddp_4_ranks_compiled:
+    for r in ddp_compiled:
         got, stock = r["compiled_config"], r["compiled_config_stock"]
-        _assert_same_training(got, r["eager"])
-        _assert_same_training(stock, r["eager"])
+        _assert_same_training(got, r["eager_same"])
+        _assert_same_training(stock, r["eager_same"])
         # (captures, CA graph compiles, graph breaks), stock then plugin, per release.
         # 7 graph breaks everywhere (Dynamo cannot trace the pybind C++ function in
         # the forward; loss.backward()). 2.13 / 2.14: 2 CA captures (the forward's
@@ -183,9 +195,10 @@ def test_ddp_compiled_model_on_the_config_path_4_ranks(ddp_4_ranks_compiled):
         # The forward frames compile alike in both modes.
         forward_compiles = this_release({"2.11": 11, "2.12": 11, "2.13": 5, "2.14": 5, "2.15": 11})
         assert got["compiles"] - got["ca_compiles"] == stock["compiles"] - stock["ca_compiles"] == forward_compiles
-    _assert_ranks_agree(ddp_4_ranks_compiled, "compiled_config")
+    _assert_ranks_agree(ddp_compiled, "compiled_config")
 
 
+@every_release
 def test_cpp_reducer_is_refused_with_torchs_message(ddp_2_ranks):
     """DDP picks its reducer when it is built, before any backward; the plugin
     cannot switch it then, so it leaves torch's own error, which names the fix."""
@@ -290,6 +303,7 @@ def _assert_trains_as_eager(got: dict, want: dict, what: str) -> None:
         )
 
 
+@every_release
 @pytest.mark.parametrize("name", list(FSDP2_CASES))
 def test_fsdp2_trains_as_eager_fsdp2(fsdp2_2_ranks, name):
     """2 ranks, saved values changing every step: each rank's run equals its eager
@@ -315,6 +329,7 @@ def test_fsdp2_4_ranks(fsdp2_4_ranks):
         assert _counts(fsdp2_4_ranks, case) == {this_release(FSDP2_COUNTS[name])}
 
 
+@every_release
 @pytest.mark.parametrize("name", list(STOCK_CASES))
 def test_fsdp2_stock_ca_drops_the_post_backward(fsdp2_2_ranks, name):
     """The defect the plugin fixes, as a baseline. Under stock compiled autograd
