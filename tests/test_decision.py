@@ -6,6 +6,7 @@ every case (``run_loop``)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import ca_dynsaved
 from ca_dynsaved import decision, opaque
@@ -13,6 +14,19 @@ from ca_dynsaved._compat.symbolic import new_symbol, symbolic_probe_mode
 from helpers import leaf_grad_step, run_loop
 from test_python_auto import UnreadFlagFn
 from test_python_ctx import BranchFn
+
+
+class UnreadBoolFn(torch.autograd.Function):
+    """A bool on ctx its backward never reads."""
+
+    @staticmethod
+    def forward(ctx, x, flag):
+        ctx.flag = flag
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2, None
 
 
 def _decisions(step, steps: int = 2, **options) -> list[decision.Decision]:
@@ -101,8 +115,20 @@ def test_python_node_by_policy(policy, handling, plan):
     assert d.reason == reasons[policy]
 
 
-def test_python_node_without_numbers_keeps_stock_tracing():
+def test_python_node_without_numbers_is_stock_s_trace_with_its_opaque_op():
+    """A bool the backward reads, no number: stock's trace (nothing lifted, the bool
+    guarded as stock guards it); its opaque op for combinations past the cap."""
     (d,) = _decisions(leaf_grad_step(lambda x, i: BranchFn.apply(x, i % 2 == 0)))
+    # the capture records its traced way (the opaque op is its opaque graph's:
+    # test_properties::test_guarded_combinations_are_capped[hashed_only])
+    assert (d.handling, d.plan) == (decision.TRACED, decision.PythonTrace((), ("flag",)))
+    assert d.reason == (
+        "no int or float ctx attribute; ctx.flag guarded by Dynamo as stock guards it (a compile per distinct value)"
+    )
+
+
+def test_python_node_without_numbers_or_bools_it_reads_keeps_stock_tracing():
+    (d,) = _decisions(leaf_grad_step(lambda x, i: UnreadBoolFn.apply(x, i % 2 == 0)))
     assert (d.handling, d.plan) == (decision.STOCK, None)
     assert d.reason.startswith("no int or float ctx attribute, and Dynamo traces its backward")
 

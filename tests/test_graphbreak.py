@@ -164,7 +164,8 @@ def test_item_in_backward_runs_opaque():
 
 @pytest.mark.every_release
 def test_traceable_backward_keeps_stock_and_is_traced_once():
-    """A backward Dynamo traces keeps stock handling: stock's counts and frame
+    """A backward Dynamo traces keeps stock's trace (its bool guarded as stock guards
+    it; nothing to lift): stock's counts and frame
     statistics exactly (the trace alone leaves no trace in them), one trace for the
     function and ctx layout over every capture and value."""
     step = _sized_step(lambda x, i: TraceableFn.apply(x, bool(i % 2)))
@@ -178,8 +179,8 @@ def test_traceable_backward_keeps_stock_and_is_traced_once():
     assert counters["ca_dynsaved"]["dynamo_probes"] == 1
     node = ca_dynsaved.report().nodes[0]
     assert (node.handling, node.reason) == (
-        "stock",
-        "no int or float ctx attribute, and Dynamo traces its backward (bools, strs and tensors keep stock tracing)",
+        "traced-dynamic",
+        "no int or float ctx attribute; ctx.flip guarded by Dynamo as stock guards it (a compile per distinct value)",
     )
 
 

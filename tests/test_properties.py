@@ -158,6 +158,22 @@ class PyScaleFn(torch.autograd.Function):
         return grad + len(ctx.mode), None, None, None, None
 
 
+class PyModeFn(torch.autograd.Function):
+    """PyScaleFn without its numbers: ctx holds a bool and a str only."""
+
+    @staticmethod
+    def forward(ctx, x, flag, mode):
+        ctx.flag, ctx.mode = flag, mode
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        grad = g * 2 * x if ctx.mode == "square" else -g if ctx.flag else g
+        return grad + len(ctx.mode), None, None
+
+
 def _python_compiles(seen: list[tuple[int, float, bool, str]]) -> int:
     """PyScaleFn's compiles over the steps ``seen``, as the plugin decides them. With
     ctx.flag, the backward multiplies by ``ctx.k % 1000``, which the backend cannot
@@ -190,15 +206,17 @@ def test_python_ctx_values(backend):
     search()
 
 
-def test_guarded_combinations_are_capped():
+@pytest.mark.parametrize("numbers", [True, False], ids=["numbers", "hashed_only"])
+def test_guarded_combinations_are_capped(numbers):
     """A str new at every step: MAX_GUARDED_COMBINATIONS - 1 of them compile (Dynamo's
     guard, as stock); later ones run the capture's opaque graph, its one compile the
     cap's last: stock's 8 compiles (Dynamo's recompile limit, then eager), and the
     steps past it compiled (one eager run first, which learns the opaque op's
-    outputs); the report says so."""
-    step = _leaf_grad(PyScaleFn.apply)
+    outputs); the report says so. The same with ctx numbers beside the str (lifted)
+    and without (nothing lifted: stock's trace up to the cap)."""
+    step = _leaf_grad(PyScaleFn.apply if numbers else PyModeFn.apply)
     limit = runtime.MAX_GUARDED_COMBINATIONS
-    values = [(3, 0.5 + i, False, f"mode{i}") for i in range(limit + 4)]
+    values = [((3, 0.5 + i) if numbers else ()) + (False, f"mode{i}") for i in range(limit + 4)]
     assert stock_counts(lambda i: step(*values[i]), len(values)).compiles == limit
     _check_steps(step, values)
     assert counts() == Counts(captures=1, compiles=limit, graph_breaks=0)
@@ -213,6 +231,28 @@ def test_guarded_combinations_are_capped():
         f"the capture has compiled {limit - 1} combinations of them"
     }
     assert "run its opaque graph: the capture has compiled 7" in str(ca_dynsaved.report())
+
+
+@pytest.mark.every_release
+@pytest.mark.parametrize("numbers", [True, False], ids=["numbers", "hashed_only"])
+def test_a_new_combination_at_new_sizes_compiles_as_stock(numbers):
+    """The str alternates while the leaf's size changes: each new combination is
+    probed with the capture's saved tensors and the capture's incoming gradients
+    (this run's sizes are not theirs), so the probe traces it and it compiles as
+    under stock: stock's counts, none sent to the opaque graph, eager's gradients."""
+    apply = PyScaleFn.apply if numbers else PyModeFn.apply
+
+    def step(i):
+        x = torch.linspace(-1.0, 1.0, (5, 7, 9)[i % 3], dtype=torch.float64, requires_grad=True)
+        values = ((3, 0.5 + i) if numbers else ()) + (False, ("plain", "square")[i % 2])
+        apply(x * 2, *values).sum().backward()
+        return (x.grad,)
+
+    stock = stock_counts(step, 6)
+    _check_steps(step, [(i,) for i in range(6)])
+    assert counts() == stock == Counts(captures=1, compiles=3, graph_breaks=0)
+    assert torch._dynamo.utils.counters["ca_dynsaved"]["guarded_opaque_runs"] == 0
+    assert ca_dynsaved.report().captures[0].opaque_combinations == []
 
 
 def test_guarded_combination_the_probe_refuses_runs_opaque():

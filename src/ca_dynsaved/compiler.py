@@ -36,7 +36,7 @@ import torch
 
 from ._compat.capture import StockCompilerInstance, counters, grad_dtype, no_proxy_modes
 from ._compat.dynamic_state import mark_dynamic_scalars
-from ._compat.layout import CppCall
+from ._compat.layout import CppCall, grads_of
 from ._compat.runtime_wrapper import sizes_made_once
 from ._compat.symbolic import size_hints
 from . import checkpoint, cpptrace, differential, opaque, recording, report, runtime, sentinel
@@ -451,7 +451,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
             # stock's call (its pieces' graph, or its trace with the numbers dynamic);
             # its opaque op too, emitted in validate_outputs (_emit_tier)
             if decision.plan.guarded is not None:
-                self._traced_python(decision.plan.guarded, backward_idx, decision.name, saved_tensors, output_metadatas)
+                self._traced_python(decision.plan.guarded, backward_idx, decision.name, saved_tensors, output_metadatas, ctx)
             graph = self.fx_tracer.graph
             before = len(graph.nodes)
             out = stock()
@@ -464,7 +464,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         if decision.handling != OPAQUE:
             self._record(decision, backward_idx)
             if isinstance(decision.plan, PythonTrace):
-                self._traced_python(decision.plan, backward_idx, decision.name, saved_tensors, output_metadatas)
+                self._traced_python(decision.plan, backward_idx, decision.name, saved_tensors, output_metadatas, ctx)
             return stock()
         # One metadata per forward input, None where the input was not a tensor;
         # C++ keeps the backward's outputs at the tensor positions only.
@@ -475,13 +475,15 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         )
         return tuple(dummies)
 
-    def _traced_python(self, plan: PythonTrace, hook: int, name: str, saved: Sequence[Any], metadatas: Sequence[Any]) -> None:
+    def _traced_python(
+        self, plan: PythonTrace, hook: int, name: str, saved: Sequence[Any], metadatas: Sequence[Any], ctx: Any
+    ) -> None:
         """Stock tracing, with the ctx numbers dynamic from the first compile; each
         new combination of its guarded values probed before it compiles."""
         self._dynamic_sources.extend(plan.sources)
         if plan.guarded:
             self._guarded.append(runtime.GuardedNode(
-                name, hook, plan.guarded, tuple(saved), tuple(m is not None for m in metadatas)
+                name, hook, plan.guarded, tuple(saved), tuple(m is not None for m in metadatas), grads_of(ctx)
             ))
 
     @_disable

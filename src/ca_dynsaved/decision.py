@@ -400,10 +400,16 @@ def decide_python(
         if plan.guarded:  # also its opaque op: the shared graph past the combinations' cap
             return dataclasses.replace(node, handling=TRACED, reason=verdict.reason, plan=Tiered(opaque.plan, None, plan))  # type: ignore[arg-type]
         return dataclasses.replace(node, handling=TRACED, reason=verdict.reason, plan=plan)
+    if not unpacked and probe.hashed_values(ctx):
+        # No numbers, but a bool / str the backward may read: stock's trace, each
+        # combination guarded as stock guards it, and the capture's opaque graph for
+        # combinations past the cap (where stock would run the whole backward eagerly).
+        verdict = probe.verdict(ctx, saved, tensor_inputs)
+        if verdict.traced and verdict.guarded:
+            plan = Tiered(opaque.plan, None, PythonTrace((), verdict.guarded))
+            return dataclasses.replace(node, handling=TRACED, reason=verdict.reason, plan=plan)  # type: ignore[arg-type]
     return dataclasses.replace(
-        node,
-        reason="no int or float ctx attribute, and Dynamo traces its backward "
-        "(bools, strs and tensors keep stock tracing)",
+        node, reason=f"{probe.NO_NUMBERS}, and Dynamo traces its backward (bools, strs and tensors keep stock tracing)"
     )
 
 

@@ -40,7 +40,7 @@ import torch
 from ._compat.capture import counters
 from ._compat.config import dynamo_specializes_floats, torch_warnings_to
 from ._compat.dynamo import exception_line
-from ._compat.layout import incoming_grads, pytree
+from ._compat.layout import GradSpec, grads_of, incoming_grads, pytree
 from ._compat.symbolic import (
     TorchDispatchMode,
     guards_on,
@@ -72,6 +72,10 @@ GUARDED_AS_STOCK = (bool, str, type(None))
 quietly = torch_warnings_to(logging.getLogger("ca_dynsaved"))
 
 
+#: A Python function with no ctx int or float (the plugin lifts nothing of it).
+NO_NUMBERS = "no int or float ctx attribute"
+
+
 @dataclass(frozen=True)
 class Verdict:
     """Whether a function's backward can be traced with its numbers dynamic."""
@@ -96,15 +100,19 @@ def cache_size() -> int:
     return len(_CACHE)
 
 
-def verdict(ctx: Any, saved: Sequence[Any], tensor_inputs: tuple[bool, ...]) -> Verdict:
+def verdict(
+    ctx: Any, saved: Sequence[Any], tensor_inputs: tuple[bool, ...], grads: Sequence[GradSpec] | None = None
+) -> Verdict:
     """The verdict for this node's function and ctx layout, probing on a miss.
     ``saved`` are the capture's (fake) saved tensors of the call; ``tensor_inputs``
-    says which forward inputs were tensors (may get a gradient)."""
+    says which forward inputs were tensors (may get a gradient); ``grads`` the
+    incoming gradients of the capture that made ``saved`` (by default, ``ctx``'s:
+    at a later run its sizes may no longer be ``saved``'s)."""
     key = (*ctx_layout(ctx), hashed_values(ctx), tensor_inputs, dynamo_specializes_floats())
     found = _CACHE.get(key)
     if found is None:
         counters["ca_dynsaved"]["probes"] += 1
-        found = _CACHE[key] = _decide(ctx, vars(ctx), saved, tensor_inputs)
+        found = _CACHE[key] = _decide(ctx, vars(ctx), saved, tensor_inputs, grads or grads_of(ctx))
     return found
 
 
@@ -121,7 +129,8 @@ def ctx_layout(ctx: Any) -> tuple[Any, ...]:
 
 
 def _decide(
-    ctx: Any, attributes: dict[str, Any], saved: Sequence[Any], tensor_inputs: tuple[bool, ...]
+    ctx: Any, attributes: dict[str, Any], saved: Sequence[Any], tensor_inputs: tuple[bool, ...],
+    grads: Sequence[GradSpec],
 ) -> Verdict:
     numbers = {}
     for name, value in attributes.items():
@@ -141,7 +150,7 @@ def _decide(
         else:
             what = "an int beyond int64" if type(value) is int else f"a {type(value).__module__}.{type(value).__name__}"
             return Verdict(False, f"ctx.{name} is {what}, which Dynamo cannot make dynamic", name, stock_runs_it=False)
-    return _probe(ctx, numbers, saved, tensor_inputs)
+    return _probe(ctx, numbers, saved, tensor_inputs, grads)
 
 
 def is_number(value: Any) -> bool:
@@ -246,12 +255,13 @@ def run_symbolic(
 
 
 def _probe(
-    ctx: Any, numbers: dict[str, int | float], saved: Sequence[Any], tensor_inputs: tuple[bool, ...]
+    ctx: Any, numbers: dict[str, int | float], saved: Sequence[Any], tensor_inputs: tuple[bool, ...],
+    grads: Sequence[GradSpec],
 ) -> Verdict:
     def backward(symbols: dict[str, Any]) -> tuple[_StandIn, Any]:
         values = {name.removeprefix("ctx."): value for name, value in symbols.items()}
         stand_in = _StandIn(ctx, [empty_like(t) for t in saved], values)
-        return stand_in, ctx._forward_cls.backward(stand_in, *incoming_grads(ctx))
+        return stand_in, ctx._forward_cls.backward(stand_in, *incoming_grads(ctx, grads))
 
     probed = run_symbolic({f"ctx.{name}": hint for name, hint in numbers.items()}, backward)
     if probed.error is not None:
@@ -284,14 +294,11 @@ def _probe(
         if type(value) not in GUARDED_AS_STOCK:
             return Verdict(False, f"ctx.{name} (a {type(value).__name__}) is read: Dynamo guards its value", name)
         guarded.append(f"ctx.{name}")
-    if not numbers:
-        return Verdict(True, "no ctx numbers")
-    reason = "its ctx numbers only reach tensor math: " + ", ".join(f"ctx.{n}" for n in numbers)
-    if guarded:
-        names = tuple(dict.fromkeys(guarded))
+    reason = "its ctx numbers only reach tensor math: " + ", ".join(f"ctx.{n}" for n in numbers) if numbers else NO_NUMBERS
+    names = tuple(dict.fromkeys(guarded))
+    if names:
         reason += f"; {', '.join(names)} guarded by Dynamo as stock guards it (a compile per distinct value)"
-        return Verdict(True, reason, guarded=tuple(name[4:] for name in names))
-    return Verdict(True, reason)
+    return Verdict(True, reason, guarded=tuple(name[4:] for name in names))
 
 
 

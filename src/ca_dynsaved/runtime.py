@@ -275,14 +275,16 @@ class Check:
 @dataclass(frozen=True)
 class GuardedNode:
     """A traced Python node whose backward reads bools / strs / Nones (``guarded``):
-    its ctx is ``hooks[hook]``; ``saved`` and ``tensor_inputs`` are what its probe
-    needs (``probe.verdict``)."""
+    its ctx is ``hooks[hook]``; ``saved``, ``tensor_inputs`` and ``grads`` (the
+    capture's, as its sizes are ``saved``'s) are what its probe needs
+    (``probe.verdict``)."""
 
     name: str
     hook: int
     guarded: tuple[str, ...]
     saved: tuple[Any, ...]
     tensor_inputs: tuple[bool, ...]
+    grads: tuple[Any, ...]
 
 
 #: Combinations of a capture's guarded ctx values (``Combinations``) that may compile:
@@ -329,7 +331,7 @@ class Combinations:
         if self._compiled >= self._cap:
             reason = f"the capture has compiled {self._cap} combinations of them"
         for node in self.nodes if not reason else ():
-            verdict = probe.verdict(hooks[node.hook], node.saved, node.tensor_inputs)
+            verdict = probe.verdict(hooks[node.hook], node.saved, node.tensor_inputs, node.grads)
             if not verdict.traced:
                 reason = f"{node.name}: {verdict.reason}"
                 break

@@ -23,11 +23,21 @@ from .symbolic import concrete, optimization_hint
 pytree = pytree
 
 
-def incoming_grads(ctx: Any) -> list[torch.Tensor]:
+#: A gradient's shape, dtype and device (``grads_of``): what a probe makes one from.
+GradSpec = tuple[tuple[int, ...], torch.dtype, torch.device]
+
+
+def grads_of(ctx: Any) -> tuple[GradSpec, ...]:
+    """The gradients a Python node's backward receives, at this run's sizes."""
+    return tuple((tuple(m.shape), m.dtype, m.device) for m in ctx._input_metadata)
+
+
+def incoming_grads(ctx: Any, grads: Sequence[GradSpec] | None = None) -> list[torch.Tensor]:
     """An empty tensor like each gradient a Python node's backward receives (fake
-    under a fake mode, real outside one): at capture, CA hands
-    ``proxy_call_backward`` placeholders in their place."""
-    return [torch.empty(m.shape, dtype=m.dtype, device=m.device) for m in ctx._input_metadata]
+    under a fake mode, real outside one), as ``grads`` describes them (by default,
+    this run's): at capture, CA hands ``proxy_call_backward`` placeholders in their
+    place."""
+    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in grads or grads_of(ctx)]
 
 
 # c10::ScalarType order: the dtype codes of CA's metadata tuples.
