@@ -157,7 +157,7 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.every_release  # run.py and __main__: no other test reaches them
+@pytest.mark.every_release  # run.py and __main__ on each release: no other test reaches them
 @pytest.mark.slow  # the CLI: fresh processes
 def test_run_compare_prints_both_columns():
     out = _run_cli("--backend", "aot_eager", "--compare", str(SCRIPT), "6")
@@ -179,8 +179,7 @@ def test_run_compare_prints_both_columns():
     assert len(row("wall seconds")) == 2
 
 
-@pytest.mark.every_release  # run.py and __main__: no other test reaches them
-@pytest.mark.slow  # the CLI: fresh processes
+@pytest.mark.slow  # the CLI: fresh processes (the whole suite: plain Python, no torch internals)
 def test_run_keeps_the_scripts_exit_code():
     out = _run_cli("--backend", "aot_eager", str(SCRIPT), "2", "3")
     assert out.returncode == 3
@@ -190,8 +189,7 @@ def test_run_keeps_the_scripts_exit_code():
     assert out.returncode == 3
 
 
-@pytest.mark.every_release  # run.py and __main__: no other test reaches them
-@pytest.mark.slow  # the CLI: fresh processes
+@pytest.mark.slow  # the CLI: fresh processes (the whole suite: plain Python, no torch internals)
 def test_run_reports_a_failing_script(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("raise ValueError('boom')\n")
