@@ -10,7 +10,7 @@ import torch
 
 import ca_dynsaved
 from ca_dynsaved import opaque, reuse, runtime, sentinel
-from ca_dynsaved.report import MAX_CAPTURES, MAX_COUNTED, MAX_VALUES
+from ca_dynsaved.records import MAX_CAPTURES, MAX_COUNTED, MAX_VALUES
 from helpers import Counts, assert_grads_equal, counts
 from test_python_ctx import ScaleFn
 

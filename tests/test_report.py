@@ -200,7 +200,7 @@ def test_run_reports_a_failing_script(tmp_path):
 
 
 def test_values_seen_are_distinct_and_bounded():
-    from ca_dynsaved.report import MAX_COUNTED, MAX_VALUES, KeyReport
+    from ca_dynsaved.records import MAX_COUNTED, MAX_VALUES, KeyReport
 
     key = KeyReport("k", "C++", "int", "dynamic", "", "")
     for _ in range(3):
@@ -216,7 +216,7 @@ def test_values_seen_are_distinct_and_bounded():
 def test_values_seen_in_bulk_match_one_by_one():
     """see_all (the runtime's batched path) records what see() would, value by value:
     the same values kept, the same count, NaN once, bools apart from ints."""
-    from ca_dynsaved.report import MAX_COUNTED, MAX_VALUES, KeyReport
+    from ca_dynsaved.records import MAX_COUNTED, MAX_VALUES, KeyReport
 
     stream = [float("nan"), True, 1, 1.0, *range(40), float("nan"), *range(2 * MAX_COUNTED)]
     one, bulk = (KeyReport("k", "C++", "int", "dynamic", "", "") for _ in range(2))
@@ -233,12 +233,13 @@ def test_observed_runs_are_seen_when_the_report_is_read():
     """CaptureRecord.observe keeps a run's plain values for a batched look, which any
     read of the report (or a full batch) makes first; any other ctx value is seen at
     once, not kept for later steps."""
-    rep = sys.modules["ca_dynsaved.report"]  # (ca_dynsaved.report is the function)
+    from ca_dynsaved import decision, records as rep
+
     record = rep.CaptureRecord(0, 0)
-    record.scalars[0] = rep.KeyReport("s", "C++", "float", rep.DYNAMIC, "", "")
+    record.scalars[0] = rep.KeyReport("s", "C++", "float", decision.DYNAMIC, "", "")
     function = rep.FunctionReport("F", "Python", True, "")
-    function.keys["k"] = rep.KeyReport("k", "Python", "int", rep.OPAQUE, "", "")
-    function.keys["held"] = rep.KeyReport("held", "Python", "list", rep.OPAQUE, "", "")
+    function.keys["k"] = rep.KeyReport("k", "Python", "int", decision.OPAQUE, "", "")
+    function.keys["held"] = rep.KeyReport("held", "Python", "list", decision.OPAQUE, "", "")
     record.hooks[0] = function
 
     class Ctx:
@@ -250,7 +251,7 @@ def test_observed_runs_are_seen_when_the_report_is_read():
         record.observe([0.5 * step], [ctx])
     assert function.keys["held"].values[2].__class__ is list  # seen at once
     assert record.scalars[0].values == [] and function.keys["k"].values == []  # not yet
-    rep._flush_pending()
+    rep.flush_pending()
     assert record.scalars[0].values == [0.0, 0.5, 1.0] and function.keys["k"].values == [0, 1, 2]
     for step in range(3, 3 + rep._BATCH):
         record.observe([0.5 * step], [ctx])

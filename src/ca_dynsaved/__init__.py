@@ -103,7 +103,7 @@ def self_check() -> selfcheck.SelfCheckResult:
     ``enable(backend="aot_eager")``, compared with what every tested release gives
     (1 CA capture, 1 Dynamo compile, no graph break, eager's gradients, each node's
     handling). The first run on a torch build compiles the demo's C++ extension into
-    ``~/.cache/ca_dynsaved`` (about 25 s; needs g++ and ninja). It resets compile
+    ``~/.cache/ca_dynsaved`` (once per torch build; needs g++ and ninja). It resets compile
     state before and after (``reset()``): call it before training. Torch's counters
     and the global random state are left as they were. Takes no arguments.
 

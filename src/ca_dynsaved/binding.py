@@ -15,16 +15,28 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from ._compat.engine import AutocastState, autocast_state, dispatch_keys
 
-if TYPE_CHECKING:
-    from .opaque import NodeCapture
-
 _local = threading.local()
+
+
+@dataclass
+class NodeCapture:
+    """What one opaque node of one capture holds besides its structure (``opaque.NodeSpec``):
+    bound for a run of the capture's graph, where its op reads it."""
+
+    fn: Callable[..., Any] | None  # C++: CppNode_apply_functional_ivalue<T>; Python: None
+    captured: tuple[Any, ...]  # the values of the CAPTURED leaves
+    defined: tuple[bool, ...] | None = None  # which outputs its backward returned, once run
+    # per output, what validate_outputs kept as it was on the first run, as
+    # (type, dtype, device, layout), else None (see outputs.finish)
+    kept: tuple[tuple[Any, ...] | None, ...] | None = None
+    # per output, the incoming grad it returned as is on that run (its index), or -1
+    passthrough: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from ._compat.dynamic_state import mark_dynamic_scalars
 from ._compat.layout import CppCall, grads_of
 from ._compat.runtime_wrapper import sizes_made_once
 from ._compat.symbolic import size_hints
-from . import checkpoint, cpptrace, differential, opaque, recording, report, runtime, sentinel
+from . import binding, checkpoint, cpptrace, differential, opaque, recording, report, runtime, sentinel
 from .decision import (
     HASHED_ONLY, OPAQUE, STOCK, TRACED, CppTrace, Decision, Lifted, OpaqueCall, Options, PythonTrace, SentinelTrace,
     Tiered, decide_cpp, decide_python, opaque_cpp,
@@ -129,7 +129,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         self._traceable: set[str] = set()  # custom functions declaring is_traceable
         self._deferred: _Deferred | None = None
         self._capture = report.begin_capture(self.id)
-        self._nodes: list[opaque.NodeCapture] = []  # per opaque op, in slot order
+        self._nodes: list[binding.NodeCapture] = []  # per opaque op, in slot order
         self._dynamic_sources: list[str] = []  # numbers of traced nodes, as Dynamo names them
         self._traced_floats = False  # a traced C++ node reads a lifted double
         self._opaque_reads_scalars = False  # an opaque C++ node has a lifted number
@@ -519,14 +519,14 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         plan: OpaqueCall = deferred.decision.plan  # type: ignore[assignment]
         if deferred.call is not None:
             # A saved value CA hashed is a value of this capture, not structure: it
-            # reaches the op at run time (opaque.NodeCapture).
+            # reaches the op at run time (binding.NodeCapture).
             values = [v if s is None else opaque.Captured(s) for v, s in zip(deferred.call.values, plan.slots)]
             call_args: Any = deferred.call.args(values=values)
         else:
             call_args = (plan.inputs,)
         key, tensors, symints, reads_scalars = opaque.node_spec(deferred.decision.name, call_args, meta, self._lifted)
         slot = len(self._nodes)
-        self._nodes.append(opaque.NodeCapture(deferred.fn, plan.captured))
+        self._nodes.append(binding.NodeCapture(deferred.fn, plan.captured))
         guarded = deferred.tier.guarded if deferred.tier is not None else None
         # a guarded Python node: recorded as what runs first, its trace
         self._record(deferred.decision if guarded is None else dataclasses.replace(deferred.decision, plan=guarded), deferred.hook)

@@ -49,6 +49,9 @@ from .probe import is_number
 
 #: A node's handling, as the report prints it (OPAQUE is also a policy's name).
 TRACED, OPAQUE, STOCK = "traced-dynamic", "opaque", "stock"
+#: A saved key's handling besides its node's OPAQUE or STOCK (the report's keys): a
+#: number traced dynamic, a hashed value whose captures share compiled code.
+DYNAMIC, REUSED = "dynamic", "reused"
 #: ``cpp_policy``'s values, as ``python_policy``'s (``pyctx``).
 AUTO, POLICY_STOCK = pyctx.AUTO, pyctx.STOCK
 CPP_POLICIES = pyctx.POLICIES
@@ -259,8 +262,8 @@ HASHED_ONLY_LATER = "no saved ints or doubles"
 #: run): a value new every step never gets there and costs no compile; a combination
 #: that keeps coming back (a cycle, a schedule) has shown it repeats. At most
 #: ``MAX_SPECIALISED`` combinations a function get one; later ones then run opaque,
-#: sharing one compiled graph (docs/cpp.md, "Hashed values"; measured in benchmarks/:
-#: 1.2-1.7 s a compile against 0-8 ms an eager run over a compiled one).
+#: sharing one compiled graph (docs/cpp.md, "Hashed values"; a compile costs as much
+#: as hundreds of uncompiled runs: docs/benchmarks.md, "Component costs").
 SPECIALISE_AFTER_RUNS = 16
 MAX_SPECIALISED = 8
 #: A Python backward Dynamo breaks the graph at, or one that specialises on a ctx

@@ -28,8 +28,8 @@ MARKDOWN_COMMAND = "python -m ca_dynsaved demo --markdown"
 #: What the C++ extensions here (the demo's, the tests', the benchmarks') include in
 #: place of ``<torch/extension.h>``, which load_inline adds unless told not to: the
 #: autograd Function, ATen's operators, torch's factories and pybind11's casters.
-#: extension.h also pulls the C++ API these sources never use (nn, optim, data, jit):
-#: a build takes about 27 s on 2 cores instead of 37.
+#: extension.h also pulls the C++ API these sources never use (nn, optim, data, jit),
+#: which lengthens every build (docs/benchmarks.md, "Component costs").
 EXTENSION_HEADERS = r"""
 #include <ATen/ATen.h>
 #include <torch/csrc/Exceptions.h>

@@ -10,17 +10,11 @@ which Dynamo's compilation metrics give.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Iterable, Mapping
 
 from ._compat.dynamo import compilation_metrics
-from .decision import OPAQUE
-
-if TYPE_CHECKING:
-    from .report import Report
-
-#: A key's handling: a number traced dynamic, a hashed value whose captures share
-#: compiled code, or (as its node's) opaque or stock.
-DYNAMIC, REUSED = "dynamic", "reused"
+from .decision import DYNAMIC, OPAQUE, REUSED
+from .records import CaptureRecord, FunctionReport, UncapturedRecord
 
 
 def reason_and_fix(kind: str, key: str, type_: str, handling: str, node_reason: str, chosen: bool) -> tuple[str, str]:
@@ -83,9 +77,10 @@ def reason_and_fix(kind: str, key: str, type_: str, handling: str, node_reason: 
 _GUARD = re.compile(r"\b(?:hooks\[(\d+)\]\.(\w+)|scalars\[(\d+)\])")
 
 
-def attribute_recompiles(rep: Report) -> None:
+def attribute_recompiles(functions: Mapping[str, FunctionReport], captures: Iterable[CaptureRecord]) -> None:
     """Count, for each key, Dynamo's recompiles of CA graphs whose failed guard names it."""
-    for function in rep.functions.values():
+    captures = list(captures)
+    for function in functions.values():
         for key in function.keys.values():
             key.recompiles, key.guard = 0, ""
     for metric in compilation_metrics():
@@ -97,7 +92,7 @@ def attribute_recompiles(rep: Report) -> None:
         # The newest capture with that id made before this compile: ids restart
         # with torch._dynamo.reset().
         candidates = [
-            c for c in rep.captures if c.ca_id == ca_id and c.start_time_us <= (metric.start_time_us or 0)
+            c for c in captures if c.ca_id == ca_id and c.start_time_us <= (metric.start_time_us or 0)
         ]
         if not candidates:
             continue
@@ -116,11 +111,16 @@ def attribute_recompiles(rep: Report) -> None:
             key.guard = reason.split(":", 1)[-1].split("#", 1)[0].strip()
 
 
-def format_table(rep: Report) -> str:
+def format_table(
+    functions: Mapping[str, FunctionReport], captures: Iterable[CaptureRecord], uncaptured: Iterable[UncapturedRecord]
+) -> str:
+    """The table ``print(report())`` shows, then a line per function and key (its
+    reason, fix and the guard Dynamo named) and per combination or structure run
+    another way."""
     header = ("function", "key", "type", "handling", "compiles", "values seen")
     rows = []
     notes = []
-    for function in rep.functions.values():
+    for function in functions.values():
         if function.reason:
             notes.append(f"{function.name}: {function.handling}, {function.reason}")
         if not function.keys:
@@ -132,14 +132,14 @@ def format_table(rep: Report) -> str:
             rows.append((function.name, key.key, key.type, key.handling, str(key.compiles), values))
             guard = f"; Dynamo recompiled on {key.guard}" if key.guard and key.compiles else ""
             notes.append(f"{function.name}.{key.key}: {key.reason}{guard}" + (f"; fix: {key.fix}" if key.fix else ""))
-    for capture in rep.captures:
+    for capture in captures:
         for name, values, reason in capture.refused:
             notes.append(f"{name}: verify ran it opaque for saved {values}: {reason}")
         for values, reason in capture.eager_combinations:
             notes.append(f"capture !{capture.ca_id}: {values} run its graph uncompiled: {reason}")
         for values, reason in capture.opaque_combinations:
             notes.append(f"capture !{capture.ca_id}: {values} run its opaque graph: {reason}")
-    for record in rep.uncaptured:
+    for record in uncaptured:
         notes.append(f"backward of {', '.join(dict.fromkeys(record.nodes)) or 'a graph'}: {record.reason}")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]

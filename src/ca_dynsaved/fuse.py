@@ -1,8 +1,8 @@
 """Runs of opaque ops that only feed each other become one op.
 
 Each opaque op is a dispatcher call (its arguments converted to and from IValues)
-and, under inductor, an extern kernel with its own output checks: about 5 us a node
-on a chain of nearly free C++ nodes, a fifth of what an opaque node costs there. A
+and, under inductor, an extern kernel with its own output checks: a cost per node
+that no work in the node pays back (its measure: docs/benchmarks.md, "Component costs"). A
 node whose incoming gradients all come from the previous opaque node, which feeds
 nothing else, gains nothing from being a separate call: ``chains`` replaces such a
 run with one ``ca_dynsaved::chain`` op, whose impl calls the same runners one after

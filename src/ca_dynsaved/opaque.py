@@ -15,7 +15,7 @@ What the graph carries is structure only: a key naming a ``NodeSpec`` (argument
 structure, constants of the output metadata; ``node_spec`` makes it from a capture's
 call) in a process-local registry, and the node's slot. What belongs to one capture
 rather than to the structure (the C++ functional, the bool/str/list ``saved_data``
-values CA hashed, which gradients the backward leaves undefined) is a ``NodeCapture``
+values CA hashed, which gradients the backward leaves undefined) is a ``binding.NodeCapture``
 the runtime wrapper binds for the run (``binding.bound_run``). Two captures that
 differ only in hashed values therefore produce the same graph, and ``reuse.py`` can
 give them one compiled function. What a backward returns is checked and made
@@ -59,20 +59,6 @@ class NodeSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "build", _builder(self.treedef, self.leaves))
-
-
-@dataclass
-class NodeCapture:
-    """What one opaque node of one capture holds besides its structure."""
-
-    fn: Callable[..., Any] | None  # C++: CppNode_apply_functional_ivalue<T>; Python: None
-    captured: tuple[Any, ...]  # the values of the CAPTURED leaves
-    defined: tuple[bool, ...] | None = None  # which outputs its backward returned, once run
-    # per output, what validate_outputs kept as it was on the first run, as
-    # (type, dtype, device, layout), else None (see outputs.finish)
-    kept: tuple[tuple[Any, ...] | None, ...] | None = None
-    # per output, the incoming grad it returned as is on that run (its index), or -1
-    passthrough: tuple[int, ...] | None = None
 
 
 _REGISTRY: dict[str, NodeSpec] = {}
@@ -268,7 +254,7 @@ def run_python(grads, saved, symints, key, slot, hook):  # type: ignore[no-untyp
     # fallback exclude the autograd keys), where a backward that differentiates
     # something itself (torch.autograd.grad under enable_grad: an adjoint) would
     # record no history. Python backwards only: it costs each of the backward's ops
-    # a pass through autograd (2-3 us a C++ node of the chain benchmark).
+    # a pass through autograd (docs/benchmarks.md, "Component costs").
     with ForceDispatchKeys(*run.keys):  # type: ignore[misc]  (bound for a Python node)
         outs, backward = call_user_backward(run, call_backward, ctx, list(saved), *grads)
     for i, out in enumerate(outs):
@@ -286,7 +272,8 @@ def run_python(grads, saved, symints, key, slot, hook):  # type: ignore[no-untyp
 
 # --- the ops -------------------------------------------------------------------------
 # Defined with torch.library.Library rather than custom_op: these run once per node
-# per backward, and custom_op's autograd and dispatch wrappers cost ~60 us a call.
+# per backward, and custom_op's autograd and dispatch wrappers add a cost to every
+# call (docs/benchmarks.md, "Component costs").
 # Gradients never flow through them (create_graph runs call the runners directly).
 #
 # Tagged cudagraph_unsafe: their Python reads this run's saved values (the lifted

@@ -19,7 +19,7 @@ walked from the backward's roots):
 * of those, one backward in ``retry`` runs under CA again (``retry`` from
   ``FIRST_RETRY``, doubling up to ``MAX_RETRY`` while it still captures): a cache
   hit (the values came back, e.g. bucketed batch sizes) returns it to CA;
-* the walk (about 1 µs a node) runs only while it can matter: after a backward
+* the walk (a Python step per node) runs only while it can matter: after a backward
   that captured, and while a structure runs without CA. A steady loop that hits
   the cache never walks.
 
@@ -41,6 +41,7 @@ import torch
 
 from ._compat.capture import capture_count, counters, no_ca, node_name
 from . import report
+from .records import UncapturedRecord
 
 
 def misses_allowed() -> int:
@@ -62,7 +63,7 @@ class _Structure:
     uncaptured: bool = False  # runs without CA
     retry: int = FIRST_RETRY  # backwards without CA before the next try under CA
     since_try: int = 0
-    record: report.UncapturedRecord | None = field(default=None, repr=False)
+    record: UncapturedRecord | None = field(default=None, repr=False)
 
 
 _structures: dict[Hashable, _Structure] = {}

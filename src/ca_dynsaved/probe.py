@@ -21,7 +21,7 @@ attributes are fresh symbols, and reads what that cost:
   verdict opaque.
 
 Its verdict is cached per function and ctx layout (attribute names and types), so
-a capture pays the probe (about 1-30 ms; 0.2 s for the first of a process) once. It
+a capture pays the probe (a symbolic run: docs/benchmarks.md, "Component costs") once. It
 is a forecast, not the safety net: if it misses a case, Dynamo's guards still keep
 the traced graph correct (it recompiles), and the report names the attribute and
 the guard. The backward really runs once more, on fake tensors: a Python side
@@ -68,7 +68,7 @@ GUARDED_AS_STOCK = (bool, str, type(None))
 
 #: Around a probe's run (a decorator): the probes expect some stand-in runs to fail,
 #: and what torch logs about those goes to the plugin's log at DEBUG, never the
-#: user's log. Only where a probe runs (a verdict's cache miss): it costs about 0.1 ms.
+#: user's log. Only where a probe runs (a verdict's cache miss), which pays for it once.
 quietly = torch_warnings_to(logging.getLogger("ca_dynsaved"))
 
 

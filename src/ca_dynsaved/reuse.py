@@ -3,7 +3,7 @@
 CA hashes bool, str, None and nested (list / dict) ``saved_data`` values into its
 cache key, so each new combination is a new capture and, under stock, a new
 Dynamo compile of a new GraphModule. Once those values travel as run-time data of
-the capture (``opaque.NodeCapture``), such captures produce the same graph, and
+the capture (``binding.NodeCapture``), such captures produce the same graph, and
 this cache hands the second one the compiled function of the first.
 
 The key of a graph is everything its compiled code depends on: the generated code
@@ -32,6 +32,7 @@ import torch
 from ._compat.capture import counters
 from ._compat.config import is_dynamo_config_compiler
 from . import opaque
+from .binding import NodeCapture
 
 #: Most compiled functions kept; the least recently used goes first.
 MAX_ENTRIES = 64
@@ -80,7 +81,7 @@ def canonical_key(gm: torch.fx.GraphModule) -> str:
     return hashlib.sha1(repr(items).encode()).hexdigest()
 
 
-def name_learned_outputs(gm: torch.fx.GraphModule, nodes: list[opaque.NodeCapture]) -> None:
+def name_learned_outputs(gm: torch.fx.GraphModule, nodes: list[NodeCapture]) -> None:
     """Put what each opaque node's first run learned into its key (see opaque): its
     undefined outputs, and the outputs that were an incoming grad as is, whose users
     then take that grad's node instead of a copy."""

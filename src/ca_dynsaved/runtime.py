@@ -48,7 +48,7 @@ from ._compat.engine import collecting_final_callbacks
 from ._compat.layout import CppCall
 from . import binding, checkpoint, fuse, opaque, recording, reuse, sentinel
 from . import decision
-from .report import CaptureRecord
+from .records import CaptureRecord
 
 
 log = logging.getLogger("ca_dynsaved")
@@ -94,8 +94,8 @@ class Packer:
         if not self.tensors:
             return ints, floats, values
         packed = (*floats, *derived_floats) if derived_floats else floats
-        # frombuffer over an array (the tensor keeps it alive) is 4x cheaper than
-        # torch.tensor(list); it refuses an empty buffer.
+        # frombuffer over an array (the tensor keeps it alive) is cheaper than
+        # torch.tensor(list), which converts each element; it refuses an empty buffer.
         return ints, floats, [
             *values,
             torch.frombuffer(array.array("q", ints), dtype=torch.int64) if ints else _EMPTY_INTS,
@@ -442,7 +442,7 @@ def make_runtime_wrapper(
     runtime_wrapper: Callable[..., Any],
     graph_module: torch.fx.GraphModule,
     packer: Packer | None,
-    nodes: list[opaque.NodeCapture],
+    nodes: list[binding.NodeCapture],
     record: CaptureRecord,
     compiler_fn: Callable[..., Any],
     dynamic_sources: Sequence[str] = (),

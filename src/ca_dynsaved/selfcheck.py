@@ -16,7 +16,7 @@ eager's, each node handled as above. The plugin switches on only if every one ho
 otherwise it stays off (stock compiled autograd) and the warning names what differed.
 
 ``python -m ca_dynsaved selfcheck`` runs the same check on any torch. The C++
-extension is built once per torch build (about 25 s) into ``~/.cache/ca_dynsaved``, where
+extension is built once per torch build into ``~/.cache/ca_dynsaved``, where
 the demo builds it too (``demo.default_build_dir``).
 """
 

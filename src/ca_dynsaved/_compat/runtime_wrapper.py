@@ -45,10 +45,9 @@ def sizes_made_once(runtime_wrapper: Callable[..., Any]) -> Callable[..., Any]:
     each used size (``(0, n)``, marked dynamic): made again only when that size
     changes, and with strides ``(1, 1)``. Why: stock makes one and calls
     ``maybe_mark_dynamic`` (a disabled function: two frame-callback swaps) for every
-    used size on every run, about 2 us a size here, 42 sizes in a 20-node chain,
-    while a training loop's sizes rarely change; and ``torch.empty(0, n)``'s stride
-    ``n`` adds a Python guard per size (Dynamo's guards on a 20-node chain: 16.8 us
-    a run, 11.6 with constant strides). Each size keeps an object of its own, so
+    used size on every run, while a training loop's sizes rarely change; and
+    ``torch.empty(0, n)``'s stride ``n`` adds a Python guard per size, checked on
+    every run (docs/benchmarks.md, "Component costs"). Each size keeps an object of its own, so
     Dynamo sees no new aliasing between them. Returns ``runtime_wrapper`` itself
     where its code is not the one this copies (another torch)."""
     code = runtime_wrapper.__code__
