@@ -54,10 +54,8 @@ from __future__ import annotations
 
 from . import _compat  # noqa: F401  (version check first)
 
-import torch  # noqa: E402
-
-from ._compat.dynamic_state import clear_dynamic_scalars  # noqa: E402
-from . import cpptrace, decision, graphbreak, opaque, payoff, probe, reuse, selfcheck, sentinel  # noqa: E402
+from . import selfcheck  # noqa: E402
+from .caches import reset  # noqa: E402
 from ._install import (  # noqa: E402
     CONFIG_CPP_POLICY,
     CONFIG_FLAG,
@@ -123,31 +121,6 @@ def self_check() -> selfcheck.SelfCheckResult:
     if off_reason():
         raise RuntimeError(f"ca_dynsaved is off in this process: {off_reason()}")
     return selfcheck.run()
-
-
-def reset() -> None:
-    """Return to a fresh process's state: ``torch._dynamo.reset()`` (which drops
-    every cached CA graph), then the plugin's registry, probe verdicts,
-    compiled-graph cache and report. Takes no arguments and returns None; the
-    config entries and the plugin's installation are left as they are.
-
-    Example::
-
-        ca_dynsaved.reset()  # between experiments: no cached graph, an empty report
-        with ca_dynsaved.enable(backend="aot_eager"):
-            loss.backward()
-    """
-    torch._dynamo.reset()
-    clear_dynamic_scalars()
-    opaque.clear()
-    payoff.clear()
-    probe.clear()
-    graphbreak.clear()
-    cpptrace.clear()
-    sentinel.clear()
-    decision.COMBINATIONS.clear()
-    reuse.clear()
-    reset_report()
 
 
 install()

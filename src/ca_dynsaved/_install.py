@@ -40,7 +40,7 @@ from ._compat.capture import (
 from ._compat.config import register_config_entry, register_torch_log, unregister_config_entry
 from ._compat.dynamic_state import patch_resume_functions
 from ._compat.engine import gating_backwards
-from . import gate, pyctx
+from . import gate, policies
 from .compiler import DynSavedCompilerInstance
 from .decision import Options
 
@@ -51,7 +51,7 @@ from .decision import Options
 #: False): the plugin for CA contexts opened without ``enable`` (the config path).
 CONFIG_FLAG = "compiled_autograd_dynamic_saved_data"
 #: ``..._python_policy`` (str, default "auto"): the Python-function policy
-#: (``pyctx``) of the config path and of ``enable(python_policy=None)``.
+#: (``policies``, ``pyctx``) of the config path and of ``enable(python_policy=None)``.
 CONFIG_PYTHON_POLICY = "compiled_autograd_dynamic_saved_data_python_policy"
 #: ``..._trace_cpp`` (tuple of str, default ()): C++ names opted into tracing
 #: (``sentinel``), for the config path and ``enable(trace_cpp=None)``.
@@ -63,10 +63,10 @@ CONFIG_VERIFY = "compiled_autograd_dynamic_saved_data_verify"
 CONFIG_CPP_POLICY = "compiled_autograd_dynamic_saved_data_cpp_policy"
 _CONFIG_ENTRIES = {
     CONFIG_FLAG: (False, bool),
-    CONFIG_PYTHON_POLICY: (pyctx.AUTO, str),
+    CONFIG_PYTHON_POLICY: (policies.AUTO, str),
     CONFIG_TRACE_CPP: ((), tuple),
     CONFIG_VERIFY: (True, bool),
-    CONFIG_CPP_POLICY: (pyctx.AUTO, str),
+    CONFIG_CPP_POLICY: (policies.AUTO, str),
 }
 
 
@@ -96,16 +96,16 @@ def plugin_mode(
         return STOCK
     config = torch._dynamo.config
     if python_policy is None:
-        python_policy = getattr(config, CONFIG_PYTHON_POLICY, pyctx.AUTO)
+        python_policy = getattr(config, CONFIG_PYTHON_POLICY, policies.AUTO)
     if trace_cpp is None:
         trace_cpp = frozenset(_names(getattr(config, CONFIG_TRACE_CPP, ()), CONFIG_TRACE_CPP))
     if verify is None:
         verify = bool(getattr(config, CONFIG_VERIFY, True))
     if cpp_policy is None:
-        cpp_policy = getattr(config, CONFIG_CPP_POLICY, pyctx.AUTO)
+        cpp_policy = getattr(config, CONFIG_CPP_POLICY, policies.AUTO)
     options = Options(
-        frozenset(exclude), pyctx.check_policy(python_policy), frozenset(trace_cpp), verify,
-        pyctx.check_policy(cpp_policy, "cpp_policy"),
+        frozenset(exclude), policies.check(python_policy), frozenset(trace_cpp), verify,
+        policies.check(cpp_policy, "cpp_policy"),
     )
     return Mode(True, options)
 

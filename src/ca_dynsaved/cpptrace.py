@@ -46,6 +46,7 @@ from ._compat.capture import counters, no_proxy_modes
 from ._compat.dynamo import exception_line
 from ._compat.layout import CppCall, pytree
 from ._compat.symbolic import TorchDispatchMode, concrete, size_hints
+from .caches import on_reset
 from .probe import FLOAT_HINT, INT_HINT, Verdict, empty_like, run_symbolic
 
 aten = torch.ops.aten
@@ -62,6 +63,7 @@ REWRITES = {
 _CACHE: dict[tuple[Any, ...], Verdict] = {}
 
 
+@on_reset
 def clear() -> None:
     _CACHE.clear()
     _SIZES.clear()

@@ -43,18 +43,17 @@ import torch
 
 from ._compat.capture import is_unpack_placeholder
 from ._compat.layout import CppCall, LayoutError, cpp_node_name, pytree
-from . import checkpoint, cpptrace, graphbreak, probe, pyctx, recording, sentinel
+from . import checkpoint, cpptrace, graphbreak, policies, probe, pyctx, recording, sentinel
+from .caches import on_reset
 from .opaque import FLOAT
 from .probe import is_number
 
-#: A node's handling, as the report prints it (OPAQUE is also a policy's name).
+#: A node's handling, as the report prints it (OPAQUE and STOCK are spelled as the
+#: policies of the same names, ``policies``, which are the user's choice, not a handling).
 TRACED, OPAQUE, STOCK = "traced-dynamic", "opaque", "stock"
 #: A saved key's handling besides its node's OPAQUE or STOCK (the report's keys): a
 #: number traced dynamic, a hashed value whose captures share compiled code.
 DYNAMIC, REUSED = "dynamic", "reused"
-#: ``cpp_policy``'s values, as ``python_policy``'s (``pyctx``).
-AUTO, POLICY_STOCK = pyctx.AUTO, pyctx.STOCK
-CPP_POLICIES = pyctx.POLICIES
 EXCLUDED = "excluded by enable(exclude=...)"
 
 
@@ -63,10 +62,10 @@ class Options:
     """What the user chose for a plugin context (``enable``'s options)."""
 
     exclude: frozenset[str] = frozenset()  # name substrings that keep stock
-    python_policy: str = pyctx.AUTO
+    python_policy: str = policies.AUTO
     trace_cpp: frozenset[str] = frozenset()  # C++ name substrings opted into tracing
     verify: bool = True  # for trace_cpp nodes; nodes traced by default always verify
-    cpp_policy: str = pyctx.AUTO
+    cpp_policy: str = policies.AUTO
 
     def excluded(self, name: str) -> bool:
         return any(pattern in name for pattern in self.exclude)
@@ -195,12 +194,12 @@ def decide_cpp(
     if options.excluded(call.name):
         return dataclasses.replace(node, reason=EXCLUDED), call
     optin = any(pattern in call.name for pattern in options.trace_cpp)
-    policy = AUTO if optin else options.cpp_policy
-    if policy == POLICY_STOCK:
+    policy = policies.AUTO if optin else options.cpp_policy
+    if policy == policies.STOCK:
         return dataclasses.replace(node, reason="cpp_policy='stock'"), call
     if not traceable:
         return opaque_cpp(node, call, "not is_traceable: its backward is not traced"), call
-    if policy == OPAQUE:
+    if policy == policies.OPAQUE:
         return opaque_cpp(node, call, "cpp_policy='opaque'"), call
     if any(map(is_unpack_placeholder, call.saved)):
         return opaque_cpp(node, call, UNPACKED_AT_RUN_TIME), call
@@ -327,6 +326,7 @@ class _Combinations:
 
 
 COMBINATIONS = _Combinations()
+on_reset(COMBINATIONS.clear)
 
 
 def opaque_cpp(node: Decision, call: CppCall, reason: str) -> Decision:
@@ -379,7 +379,7 @@ def decide_python(
     if checkpoint.is_reentrant(ctx._forward_cls):
         return dataclasses.replace(opaque, reason=checkpoint.REENTRANT_REASON)
     has_numbers = any(is_number(v) for v in vars(ctx).values())
-    if has_numbers and policy == pyctx.OPAQUE:
+    if has_numbers and policy == policies.OPAQUE:
         return opaque
     # A saved tensor a hook unpacks at run time (a checkpointed region's) is a
     # placeholder here: neither probe can run the backward on it.

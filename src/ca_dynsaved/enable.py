@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from . import pyctx
+from . import policies
 from ._install import _names, ca_context, plugin_mode
 
 
@@ -198,10 +198,10 @@ class enable(contextlib.ContextDecorator):
         # default unless asked.
         self.dynamic = True if dynamic is None else dynamic
         self.exclude = frozenset(_names(exclude, "exclude"))
-        self.python_policy = None if python_policy is None else pyctx.check_policy(python_policy)
+        self.python_policy = None if python_policy is None else policies.check(python_policy)
         self.trace_cpp = None if trace_cpp is None else frozenset(_names(trace_cpp, "trace_cpp"))
         self.verify = verify
-        self.cpp_policy = None if cpp_policy is None else pyctx.check_policy(cpp_policy, "cpp_policy")
+        self.cpp_policy = None if cpp_policy is None else policies.check(cpp_policy, "cpp_policy")
         self._open: list[contextlib.AbstractContextManager[None]] = []
 
     def __enter__(self) -> "enable":

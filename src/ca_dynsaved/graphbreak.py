@@ -28,6 +28,7 @@ from ._compat.capture import counters, is_torch_own_function
 from ._compat.dynamo import trace_backward_alone
 from ._compat.layout import incoming_grads
 from ._compat.symbolic import outside_capture
+from .caches import on_reset
 from . import probe
 
 _CACHE: dict[tuple[Any, ...], str | None] = {}
@@ -36,6 +37,7 @@ _CACHE: dict[tuple[Any, ...], str | None] = {}
 TRACING_FAILED = "backward not traceable by Dynamo: tracing it failed"
 
 
+@on_reset
 def clear() -> None:
     _CACHE.clear()
 

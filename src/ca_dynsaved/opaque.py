@@ -37,6 +37,7 @@ from ._compat.capture import call_backward, validate_outputs_fn
 from ._compat.dynamo import CUDAGRAPH_UNSAFE, without_dynamo
 from ._compat.engine import ForceDispatchKeys
 from ._compat.layout import CppCall, metadata_device, metadata_sizes, pytree
+from .caches import on_reset
 from .binding import TIMING, bound, call_user_backward, timed
 from .outputs import finish
 
@@ -76,6 +77,7 @@ def registry_size() -> int:
     return len(_REGISTRY)
 
 
+@on_reset
 def clear() -> None:
     """Forget every node spec and chain (only safe when no plugin CA graph is cached)."""
     _REGISTRY.clear()

@@ -40,6 +40,7 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 
 from ._compat.capture import capture_count, counters, no_ca, node_name
+from .caches import on_reset
 from . import report
 from .records import UncapturedRecord
 
@@ -70,6 +71,7 @@ _structures: dict[Hashable, _Structure] = {}
 _watching = [True]  # walk the next backward's graph
 
 
+@on_reset
 def clear() -> None:
     _structures.clear()
     _watching[0] = True

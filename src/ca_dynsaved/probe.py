@@ -53,6 +53,7 @@ from ._compat.symbolic import (
     tensorifies_python_arithmetic,
     tensorify_interprets,
 )
+from .caches import on_reset
 
 #: Stand-in values for the symbols: not 0 or 1 (which would be specialised), odd,
 #: nothing a backward divides by zero with. The hints only pick which branch the
@@ -92,6 +93,7 @@ class Verdict:
 _CACHE: dict[tuple[Any, ...], Verdict] = {}
 
 
+@on_reset
 def clear() -> None:
     _CACHE.clear()
 

@@ -21,23 +21,15 @@ the graph at (``graphbreak.py`` traces it alone, once per function and ctx layou
 runs opaque too, whatever its ctx holds. Any other function whose ctx holds no int
 or float keeps stock tracing, so a bool or str attribute that picks a branch keeps
 its guard (one compile per value), and a tensor attribute stays a graph input.
-``decision.decide_python`` applies the policy to a node; this module names it.
+``decision.decide_python`` applies the policy to a node (its values: ``policies``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .policies import STOCK
 from .probe import is_number
-
-AUTO, OPAQUE, STOCK = "auto", "opaque", "stock"
-POLICIES = (AUTO, OPAQUE, STOCK)
-
-
-def check_policy(policy: str, what: str = "python_policy") -> str:
-    if policy not in POLICIES:
-        raise ValueError(f"ca_dynsaved: {what} must be one of {POLICIES}, got {policy!r}")
-    return policy
 
 
 def dynamic_sources(ctx: Any, hook: int) -> list[str]:

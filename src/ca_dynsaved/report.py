@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from .caches import on_reset
 from .decision import DYNAMIC, HASHED_ONLY, OPAQUE, REUSED, STOCK, TRACED, Decision
 from .explain import attribute_recompiles, format_table, reason_and_fix
 from .probe import is_number
@@ -231,6 +232,7 @@ def uncaptured(captures: int, why: str = "", nodes: tuple[str, ...] = ()) -> Unc
     return record
 
 
+@on_reset
 def reset_report() -> None:
     """Empty the report (``report()``): its functions, captures and uncaptured
     structures. Compiled graphs and caches stay: a backward whose graph is already

@@ -31,6 +31,7 @@ import torch
 
 from ._compat.capture import counters
 from ._compat.config import is_dynamo_config_compiler
+from .caches import on_reset
 from . import opaque
 from .binding import NodeCapture
 
@@ -125,5 +126,6 @@ def cache_size() -> int:
     return len(_CACHE)
 
 
+@on_reset
 def clear() -> None:
     _CACHE.clear()

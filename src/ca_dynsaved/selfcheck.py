@@ -34,6 +34,10 @@ import torch
 from ._compat import UntestedTorchWarning
 from ._compat.capture import counters, no_ca
 from ._compat.dynamo import exception_line
+from .caches import reset
+from .demo import build_extension, default_build_dir
+from .enable import enable
+from .report import report
 
 #: What every tested release gives for the loop (README, "Supported torch releases").
 EXPECTED = {"captures": 1, "compiles": 1, "graph_breaks": 0}
@@ -84,8 +88,6 @@ def run(build_dir: str | os.PathLike[str] | None = None) -> SelfCheckResult:
     compile state (``ca_dynsaved.reset()``: ``torch._dynamo.reset()``, the plugin's
     caches and report), so call it before compiling anything; torch's counters and
     the global random state are left as they were."""
-    import ca_dynsaved
-    from .demo import build_extension, default_build_dir
 
     result = SelfCheckResult(torch.__version__)
     saved_counters = copy.deepcopy(dict(counters))
@@ -94,7 +96,7 @@ def run(build_dir: str | os.PathLike[str] | None = None) -> SelfCheckResult:
     except Exception as e:  # noqa: BLE001 - no compiler, a failed build: a failed check
         result.differences.append(f"could not build its C++ extension ({exception_line(e)})")
         return result
-    ca_dynsaved.reset()
+    reset()
     counters.clear()
     try:
         with torch.random.fork_rng(devices=[]):
@@ -105,14 +107,13 @@ def run(build_dir: str | os.PathLike[str] | None = None) -> SelfCheckResult:
             f"the loop raised {exception_line(e)} (at {Path(tb.filename).name}:{tb.lineno})"
         )
     finally:
-        ca_dynsaved.reset()
+        reset()
         counters.clear()
         counters.update(saved_counters)
     return result
 
 
 def _loop(ext: Any, result: SelfCheckResult) -> None:
-    import ca_dynsaved
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(8, 8)
@@ -130,7 +131,7 @@ def _loop(ext: Any, result: SelfCheckResult) -> None:
             want = torch.autograd.grad(loss(), params)
         for p in params:
             p.grad = None
-        with ca_dynsaved.enable(backend="aot_eager"):
+        with enable(backend="aot_eager"):
             loss().backward()
         for name, p, w in zip(("weight", "bias"), params, want):
             if p.grad is None:
@@ -146,7 +147,7 @@ def _loop(ext: Any, result: SelfCheckResult) -> None:
     for what, want in EXPECTED.items():
         if result.counts[what] != want:
             result.differences.append(f"{what}: {result.counts[what]}, every tested release gives {want}")
-    result.handling = {n.name: n.handling for n in ca_dynsaved.report().nodes}
+    result.handling = {n.name: n.handling for n in report().nodes}
     for name, want in EXPECTED_HANDLING.items():
         got = result.handling.get(name, "not seen")
         if got != want:

@@ -46,6 +46,7 @@ import torch
 from ._compat.capture import counters
 from ._compat.dynamo import exception_line
 from ._compat.symbolic import TorchDispatchMode
+from .caches import on_reset
 from . import opaque
 from .cpptrace import REWRITES
 from . import recording
@@ -120,6 +121,7 @@ class Plan:
 _CACHE: dict[tuple[Any, ...], Plan] = {}
 
 
+@on_reset
 def clear() -> None:
     _CACHE.clear()
     _WARNED.clear()

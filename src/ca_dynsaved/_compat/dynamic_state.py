@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 from torch._dynamo.utils import ExactWeakKeyDictionary
 
+from ..caches import on_reset
+
 
 def mark_dynamic_scalars(code: Any, sources: Sequence[str]) -> None:
     """Make Dynamo treat the scalars named ``sources`` (``L['hooks'][0].k``) in
@@ -35,6 +37,7 @@ def mark_dynamic_scalars(code: Any, sources: Sequence[str]) -> None:
     _dynamic_by_code[code] = tuple(sources)
 
 
+@on_reset
 def clear_dynamic_scalars() -> None:
     """Forget the marked codes (``ca_dynsaved.reset()``; pgo's own state goes with
     ``torch._dynamo.reset()``)."""
