@@ -51,8 +51,8 @@ def _never_called() -> None:
 @functools.lru_cache(maxsize=64)
 def _check(compile_: TorchCompile) -> None:
     """Raise as ``torch.compile`` does for these arguments. It copies inductor's
-    config (docs/benchmarks.md, "Component costs"), so once per distinct set: a training step may
-    build its ``enable`` at every step."""
+    config (docs/benchmarks.md, "Component costs"), so once per distinct set: a
+    training step may build its ``enable`` at every step."""
     torch.compile(_never_called, **compile_.kwargs())
 
 

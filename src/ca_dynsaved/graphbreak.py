@@ -12,11 +12,11 @@ The symbolic probe (``probe.py``) cannot tell: a plain Python helper Dynamo refu
 runs fine on fake tensors. So the backward is traced by Dynamo itself, alone, as the
 CA graph would trace it (``trace_backward_alone``): real empty tensors with
 the capture's sizes, sizes dynamic, the real ctx, stopping at the first break, the
-graph never run. A Dynamo trace is costly (docs/benchmarks.md, "Component costs"), so it runs once per
-function and ctx layout (attribute names and types), as the probe. A value that takes an untraced branch only on some steps is
-not seen: that node then breaks the graph as under stock, never worse. Dynamo
-failing on it in any other way (an internal error: stock CA's compile would raise
-it) runs it opaque too.
+graph never run. A Dynamo trace is costly (docs/benchmarks.md, "Component costs"),
+so it runs once per function and ctx layout (attribute names and types), as the
+probe. A value that takes an untraced branch only on some steps is not seen: that
+node then breaks the graph as under stock, never worse. Dynamo failing on it in any
+other way (an internal error: stock CA's compile would raise it) runs it opaque too.
 """
 
 from __future__ import annotations

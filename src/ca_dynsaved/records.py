@@ -24,7 +24,6 @@ MAX_CAPTURES = 256
 MAX_REFUSED = 64
 
 
-
 @dataclass
 class KeyReport:
     """One saved_data key of a C++ function, or one ctx attribute of a Python one."""

@@ -47,9 +47,9 @@ def sizes_made_once(runtime_wrapper: Callable[..., Any]) -> Callable[..., Any]:
     ``maybe_mark_dynamic`` (a disabled function: two frame-callback swaps) for every
     used size on every run, while a training loop's sizes rarely change; and
     ``torch.empty(0, n)``'s stride ``n`` adds a Python guard per size, checked on
-    every run (docs/benchmarks.md, "Component costs"). Each size keeps an object of its own, so
-    Dynamo sees no new aliasing between them. Returns ``runtime_wrapper`` itself
-    where its code is not the one this copies (another torch)."""
+    every run (docs/benchmarks.md, "Component costs"). Each size keeps an object of
+    its own, so Dynamo sees no new aliasing between them. Returns ``runtime_wrapper``
+    itself where its code is not the one this copies (another torch)."""
     code = runtime_wrapper.__code__
     if not _is_stock_runtime_wrapper(code):
         return runtime_wrapper
