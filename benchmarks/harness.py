@@ -39,7 +39,7 @@ ONLY = {"plugin_opaque_varying": ("python", "cpp"), "plugin_trust_varying": ("cp
 PASSES = 5
 #: Variants whose first steps are measured further than the first 50, and warmed
 #: that far before each steady pass: the hashed combinations get their own graphs at
-#: their capture's run ``decision.SPECIALISE_AFTER_RUNS`` (16: steps 61-63 with 4
+#: their capture's run ``tiers.SPECIALISE_AFTER_RUNS`` (16: steps 61-63 with 4
 #: combinations in turn), which the 2,000-step total and the steady step must include.
 PREFIX = {"hashed": 100}
 

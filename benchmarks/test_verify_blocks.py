@@ -9,7 +9,7 @@ get a window of their own in each pass (rotated). Steady step: the smallest of t
 passes' medians; the ratio plugin_varying / plugin_constant also pass by pass (its
 spread). Recorded: that ratio, the proof's cost per new tuple inside whole steps
 ((varying - constant) / 32), and, to explain it, one check timed alone
-(``sentinel.check`` on new values, the same node)."""
+(``ways.verify.check`` on new values, the same node)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import ca_dynsaved
-from ca_dynsaved import sentinel
+from ca_dynsaved.ways import verify
 from harness import _fresh
 from models import PyAct
 
@@ -35,7 +35,7 @@ PASSES = 5
 #: how the plugin runs the model's two functions
 TRACED = {("torch::autograd::CppNode<DirectSchedAct>", "traced-dynamic"), ("PyAct", "traced-dynamic")}
 #: windows of each plugin config a pass, of 5 steps: 160 new tuples a varying window,
-#: under runtime.CHECKED_LIMIT (256), so the constant config's tuples stay checked
+#: under verify.CHECKED_LIMIT (256), so the constant config's tuples stay checked
 ALTERNATIONS = 10
 
 
@@ -78,21 +78,21 @@ def _steps(model: Blocks, x: torch.Tensor, config: str, steps: int, first: int, 
 
 
 def _one_check_us(model: Blocks, x: torch.Tensor, backend: str) -> float:
-    """One check alone: ``sentinel.check`` of the first block's node on new values,
+    """One check alone: ``verify.check`` of the first block's node on new values,
     the smallest of 5 rounds of 200 (what a step pays per node, cache-warm)."""
     found = []
-    real = sentinel.check
+    real = verify.check
 
     def spy(plan, inputs, new):  # type: ignore[no-untyped-def]
         found.append((plan, inputs, new))
         return real(plan, inputs, new)
 
     _fresh()
-    sentinel.check = spy
+    verify.check = spy
     try:
         _steps(model, x, "plugin_varying", 1, 0, backend)
     finally:
-        sentinel.check = real
+        verify.check = real
     plan, inputs, new = found[0]
     best = float("inf")
     for round_ in range(5):

@@ -23,7 +23,7 @@ from torch._inductor.utils import (
 )
 
 import ca_dynsaved
-from ca_dynsaved import opaque
+from ca_dynsaved import fuse, opaque
 from ca_dynsaved._compat.capture import no_ca
 from helpers import (
     ENTRY_POINTS,
@@ -63,7 +63,7 @@ def _step(ext, kind):
 
 
 def test_the_ops_are_tagged_cudagraph_unsafe():
-    for op in (opaque.CPP_OP, opaque.PY_OP, opaque.CHAIN_OP):
+    for op in (opaque.CPP_OP, opaque.PY_OP, fuse.CHAIN_OP):
         assert torch.Tag.cudagraph_unsafe in op.tags
 
 

@@ -9,7 +9,7 @@ import inspect
 import pytest
 
 import ca_dynsaved
-from ca_dynsaved import _compat, outputs, runtime
+from ca_dynsaved import _compat, outputs, scalars
 from ca_dynsaved.report import Report
 
 CONFIG_NAMES = [name for name in ca_dynsaved.__all__ if name.startswith("CONFIG_")]
@@ -40,7 +40,7 @@ def test_public_names_listed():
 
 def test_errors_exported_as_themselves():
     assert ca_dynsaved.UndefinedGradError is outputs.UndefinedGradError
-    assert ca_dynsaved.SavedTypeChangedError is runtime.SavedTypeChangedError
+    assert ca_dynsaved.SavedTypeChangedError is scalars.SavedTypeChangedError
     assert ca_dynsaved.UnsupportedTorchError is _compat.UnsupportedTorchError
     assert ca_dynsaved.UntestedTorchWarning is _compat.UntestedTorchWarning
 

@@ -256,6 +256,26 @@ def test_install_uninstall_symmetric_and_idempotent(ext):
     assert ca_dynsaved.CONFIG_FLAG in config.get_config_copy()
 
 
+def test_every_patch_is_in_the_registry_that_install_and_uninstall_walk(ext):
+    """``_install.PATCHES`` lists every change install() makes: after uninstall()
+    none is in place, after install() all are, and each applies and removes
+    idempotently on its own."""
+    assert all(p.applied() for p in _install.PATCHES)
+    ca_dynsaved.uninstall()
+    try:
+        assert [p.applied() for p in _install.PATCHES] == [False] * len(_install.PATCHES)
+        for patch in _install.PATCHES:
+            patch.apply()
+            patch.apply()
+            assert patch.applied(), patch.what
+            patch.remove()
+            patch.remove()
+            assert not patch.applied(), patch.what
+    finally:
+        ca_dynsaved.install()
+    assert all(p.applied() for p in _install.PATCHES)
+
+
 def test_changing_plugin_options_recaptures(ext):
     """The cached CA graph belongs to the options it was captured with."""
 

@@ -9,7 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import ca_dynsaved
-from ca_dynsaved import opaque
+from ca_dynsaved import fuse
 from helpers import ENTRY_POINTS, Counts, assert_grads_equal, counts, entry_point, frame_breaks, scale_args
 
 #: Runs of opaque nodes as one op (fuse.py), on every release.
@@ -91,7 +91,7 @@ def test_runs_of_opaque_nodes(ext, case, entry):
     ours = counters["ca_dynsaved"]
     assert (ours["opaque_nodes"], ours["fused_opaque_nodes"]) == (nodes, folded)
     # One chain op, and one registered plan, per run (not one per fold).
-    assert opaque.chain_count() == chains
+    assert fuse.chain_count() == chains
 
 
 def test_create_graph_through_a_run(ext):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ca_dynsaved
-from ca_dynsaved import decision, reuse
+from ca_dynsaved import decision, reuse, tiers
 from helpers import Counts, counts, leaf_grad_step, run_loop, stock_counts, stock_enable
 
 #: The every-release subset (README, "Supported torch releases").
@@ -89,7 +89,7 @@ def test_hashed_only_never_changing_is_stock(ext):
 def test_hashed_only_cycling_compiles_as_stock(ext, monkeypatch):
     """4 combinations in turn: the later ones get their own graph (stock's trace) at
     their capture's run SPECIALISE_AFTER_RUNS: 4 compiles in all, stock's count."""
-    monkeypatch.setattr(decision, "SPECIALISE_AFTER_RUNS", 3)
+    monkeypatch.setattr(tiers, "SPECIALISE_AFTER_RUNS", 3)
     step = _config_step(ext.config_traceable)
     stock = stock_counts(step, 16)
     run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager", fullgraph=True), steps=16)
@@ -213,7 +213,7 @@ def test_repeating_combination_gets_its_own_graph(ext, backend, monkeypatch):
     with skip=True; k new every step): opaque (its shared compile) until its
     capture's run SPECIALISE_AFTER_RUNS, which compiles its own graph with the node
     traced and k dynamic, verified per new k. Every step equals eager."""
-    monkeypatch.setattr(decision, "SPECIALISE_AFTER_RUNS", 3)
+    monkeypatch.setattr(tiers, "SPECIALISE_AFTER_RUNS", 3)
     step = leaf_grad_step(lambda x, i: ext.skip_traceable(x, i % 3 == 0, i + 2))
     results = run_loop(step, lambda: ca_dynsaved.enable(backend=backend, fullgraph=True), steps=3)
     assert [r[0] is None for r in results] == [True, False, False]
@@ -238,7 +238,7 @@ def test_own_graph_hands_a_refused_value_to_the_opaque_one(ext, monkeypatch):
     """alpha > 0.5 takes a branch neither sentinel took: in the later mode's own
     graph verify refuses such a step, which then runs on the capture's opaque graph
     (eagerly: no compile more); every step equals eager."""
-    monkeypatch.setattr(decision, "SPECIALISE_AFTER_RUNS", 3)
+    monkeypatch.setattr(tiers, "SPECIALISE_AFTER_RUNS", 3)
     refused = {7, 11}  # odd: mode "neg", after its run 3 (step 5)
     step = _mode_step(ext, ["plain", "neg"], lambda i: 0.75 if i in refused else 0.25 + 0.01 * i)
     run_loop(step, lambda: ca_dynsaved.enable(backend="aot_eager"), steps=13)
@@ -252,8 +252,8 @@ def test_own_graph_hands_a_refused_value_to_the_opaque_one(ext, monkeypatch):
 def test_own_graphs_are_capped_per_function(ext, monkeypatch):
     """With MAX_SPECIALISED = 1, of two later modes only the first to reach its run
     SPECIALISE_AFTER_RUNS gets a graph; the other's opaque graph is compiled then."""
-    monkeypatch.setattr(decision, "SPECIALISE_AFTER_RUNS", 2)
-    monkeypatch.setattr(decision, "MAX_SPECIALISED", 1)
+    monkeypatch.setattr(tiers, "SPECIALISE_AFTER_RUNS", 2)
+    monkeypatch.setattr(tiers, "MAX_SPECIALISED", 1)
     run_loop(_mode_step(ext, ["plain", "neg", "twice"], lambda i: 0.25 + 0.01 * i), lambda: ca_dynsaved.enable(backend="aot_eager"), steps=9)
     assert counts() == Counts(captures=3, compiles=3, graph_breaks=0)
     assert [c.specialised for c in ca_dynsaved.report().captures] == [0, 2, 0]

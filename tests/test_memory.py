@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import ca_dynsaved
-from ca_dynsaved import opaque, reuse, runtime, sentinel
+from ca_dynsaved import opaque, reuse, sentinel
+from ca_dynsaved.ways import verify
 from ca_dynsaved.records import MAX_CAPTURES, MAX_COUNTED, MAX_VALUES
 from helpers import Counts, assert_grads_equal, counts
 from test_python_ctx import ScaleFn
@@ -70,7 +71,7 @@ def test_thousand_steps_of_new_ints_and_floats(ext):
     # CHECKED_LIMIT tuples.
     assert sizes == (opaque.registry_size(), reuse.cache_size()) == (1, 1)
     (plan,) = [p for p in sentinel._CACHE.values() if p.traced]
-    assert len(plan.checked) == runtime.CHECKED_LIMIT
+    assert len(plan.checked) == verify.CHECKED_LIMIT
     assert len(ca_dynsaved.report().captures) == 1
     _assert_keys_bounded(1000, {"a", "b", "s", "t", "k", "scale"})
     assert growth < 16 * MIB, f"RSS grew {growth / MIB:.1f} MiB over 900 steps"

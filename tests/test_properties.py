@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ca_dynsaved
-from ca_dynsaved import UndefinedGradError, decision, probe, runtime
+from ca_dynsaved import UndefinedGradError, probe, tiers
+from ca_dynsaved.ways import python_traced
 from helpers import Counts, assert_grads_equal, counts, stock_counts, this_release
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
@@ -179,7 +180,7 @@ def _python_compiles(seen: list[tuple[int, float, bool, str]]) -> int:
     ctx.flag, the backward multiplies by ``ctx.k % 1000``, which the backend cannot
     compile dynamic (the probe refuses it: opaque from the capture where the first
     step has the flag, else each such combination runs the capture's opaque graph:
-    runtime.Combinations, one compile from that graph's second run); without it,
+    python_traced.Combinations, one compile from that graph's second run); without it,
     traced: Dynamo compiles each str once, and once more where ctx.s is a NaN (it
     specialises NaN)."""
     if seen[0][2]:
@@ -215,7 +216,7 @@ def test_guarded_combinations_are_capped(numbers):
     outputs); the report says so. The same with ctx numbers beside the str (lifted)
     and without (nothing lifted: stock's trace up to the cap)."""
     step = _leaf_grad(PyScaleFn.apply if numbers else PyModeFn.apply)
-    limit = runtime.MAX_GUARDED_COMBINATIONS
+    limit = python_traced.MAX_GUARDED_COMBINATIONS
     values = [((3, 0.5 + i) if numbers else ()) + (False, f"mode{i}") for i in range(limit + 4)]
     assert stock_counts(lambda i: step(*values[i]), len(values)).compiles == limit
     _check_steps(step, values)
@@ -283,7 +284,7 @@ def test_value_dependent_none_is_eager_or_refused(ext, kind, monkeypatch):
     test_python_tiered's.)"""
     from test_python_ctx import OddNoneFn
 
-    monkeypatch.setattr(decision, "SPECIALISE_AFTER_RUNS", 10**9)
+    monkeypatch.setattr(tiers, "SPECIALISE_AFTER_RUNS", 10**9)
 
     if kind == "cpp":  # C++'s k % 2 == 1: positive odd k only
         apply, undefined = ext.odd_none_opaque, lambda k: k > 0 and k % 2 == 1

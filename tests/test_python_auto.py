@@ -195,7 +195,7 @@ CASES = {
 #: test_stock_recompiles_where_auto_does_not shows)
 COMPILES = {"reads_bool": 2}
 #: a case's probes where not 1: each combination of the bools / strs it reads
-#: (runtime.Combinations probes a new one before it compiles)
+#: (ways.python_traced.Combinations probes a new one before it compiles)
 PROBES = {"reads_bool": 2}
 
 

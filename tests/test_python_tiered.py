@@ -1,8 +1,8 @@
 """A Python backward stock would recompile for or break the graph at runs opaque
-until its capture has run ``decision.SPECIALISE_AFTER_RUNS`` times with steady
+until its capture has run ``tiers.SPECIALISE_AFTER_RUNS`` times with steady
 sizes, then as stock runs it (its graph-broken pieces fused), back to opaque for
-good where stock's graph keeps recompiling or runs slower (``runtime.tiered``,
-``decision.RECOMPILING_RUNS``, ``decision.TIMED_RUNS``); never handed to stock
+good where stock's graph keeps recompiling or runs slower (``ways.tiered.wrap``,
+``tiers.RECOMPILING_RUNS``, ``tiers.TIMED_RUNS``); never handed to stock
 where stock's graph would not run as eager does."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import ca_dynsaved
-from ca_dynsaved import decision, runtime
+from ca_dynsaved import tiers
+from ca_dynsaved.ways import tiered
 from helpers import Counts, assert_grads_equal, counts, on_whole_suite_release, run_loop, stock_counts
 from test_python_auto import ModFn
 from test_python_ctx import AnyScalarFn
@@ -70,7 +71,7 @@ def _step(values, fn=ScaledLookup):
 
 @pytest.fixture
 def promote_at_3(monkeypatch):
-    monkeypatch.setattr(decision, "SPECIALISE_AFTER_RUNS", 3)
+    monkeypatch.setattr(tiers, "SPECIALISE_AFTER_RUNS", 3)
 
 
 def _capture() -> dict:
@@ -151,7 +152,7 @@ def _clocked(monkeypatch, opaque_s: float, stock_s: float) -> None:
         switched = ca_dynsaved.report().captures[0].specialised
         return fn(*args), stock_s if switched else opaque_s
 
-    monkeypatch.setattr(runtime, "_timed", timed)
+    monkeypatch.setattr(tiered, "_timed", timed)
 
 
 @pytest.mark.every_release
@@ -302,7 +303,7 @@ def _mixed_step(mode):
 
 def test_a_guarded_node_beside_a_tiered_one_takes_the_capture_s_way(promote_at_3):
     """Both nodes are opaque in the capture's opaque graph, which runs first (the
-    tiered node's way, ``runtime.MEASURED``); from run 3 the graph with both traced,
+    tiered node's way, ``ways.tiered.MEASURED``); from run 3 the graph with both traced,
     where a new ctx.mode compiles (Dynamo's guard) until the capture's churn rule
     sends it back to its opaque graph for good: a str new every step ends
     compiled, with no more compiles (stock: to Dynamo's recompile limit). Eager's

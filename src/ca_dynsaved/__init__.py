@@ -69,7 +69,7 @@ from ._install import (  # noqa: E402
 from ._compat import UnsupportedTorchError, UntestedTorchWarning  # noqa: E402
 from .enable import enable  # noqa: E402
 from .outputs import UndefinedGradError  # noqa: E402
-from .runtime import SavedTypeChangedError  # noqa: E402
+from .scalars import SavedTypeChangedError  # noqa: E402
 from .report import report, reset_report  # noqa: E402
 
 __version__ = "0.1.0"

@@ -15,7 +15,11 @@ Two things must outlive a context, and are installed once on import:
   switch of mode clears it, or a stock entry would run inside the plugin (or the
   reverse) and the switch would change nothing.
 
-``uninstall()`` removes both; ``install()`` / ``uninstall()`` are idempotent.
+Each of them, and the marking of resume functions, is one ``Patch`` in ``PATCHES``,
+which ``install()`` applies in order and ``uninstall()`` removes in reverse; both
+are idempotent. What a plugin context changes (the instance class while ``_enable``
+enters, the engine's gate on backwards) is a context manager that restores what it
+found (``_instance_class``, ``_compat.engine.gating_backwards``).
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ from ._compat.capture import (
     swap_enable,
     swap_instance_class,
 )
-from ._compat.config import register_config_entry, register_torch_log, unregister_config_entry
-from ._compat.dynamic_state import patch_resume_functions
+from ._compat.config import is_config_entry, register_config_entry, register_torch_log, unregister_config_entry
+from ._compat.dynamic_state import patch_resume_functions, resume_functions_patched
 from ._compat.engine import gating_backwards
 from . import gate, policies
 from .compiler import DynSavedCompilerInstance
@@ -216,6 +220,46 @@ def _unregister_config() -> None:
         unregister_config_entry(name)
 
 
+@dataclass(frozen=True)
+class Patch:
+    """One change to torch that outlives a plugin context: what ``install()`` does
+    (``apply``), what ``uninstall()`` undoes (``remove``), and whether it is in
+    place (``applied``). ``apply`` and ``remove`` are idempotent."""
+
+    what: str
+    apply: Callable[[], None]
+    remove: Callable[[], None]
+    applied: Callable[[], bool]
+
+
+def _hook_enable() -> None:
+    if ca._enable is not _enable_hook:
+        swap_enable(_enable_hook)
+
+
+def _unhook_enable() -> None:
+    if ca._enable is _enable_hook:
+        swap_enable(stock_enable)
+
+
+#: Every change ``install()`` makes to torch, in order (``uninstall()``: in reverse).
+PATCHES = (
+    Patch(
+        "torch._dynamo.config.compiled_autograd_dynamic_saved_data* (the config entries)",
+        _register_config, _unregister_config, lambda: all(map(is_config_entry, _CONFIG_ENTRIES)),
+    ),
+    Patch(
+        "torch._dynamo.compiled_autograd._enable (the plugin's hook)",
+        _hook_enable, _unhook_enable, lambda: ca._enable is _enable_hook,
+    ),
+    Patch(
+        "ContinueExecutionCache.generate (resume functions marked)",
+        functools.partial(patch_resume_functions, True), functools.partial(patch_resume_functions, False),
+        resume_functions_patched,
+    ),
+)
+
+
 def install() -> None:
     """Register the config entries (``CONFIG_*``, at their defaults), the log
     ``TORCH_LOGS="ca_dynsaved"``, the ``_enable`` hook that gives Dynamo's config
@@ -233,11 +277,9 @@ def install() -> None:
     with _lock:
         if _off:
             return
-        register_torch_log("ca_dynsaved")
-        _register_config()
-        if ca._enable is not _enable_hook:
-            swap_enable(_enable_hook)
-        patch_resume_functions(True)
+        register_torch_log("ca_dynsaved")  # a log name: nothing of torch's behaviour
+        for patch in PATCHES:
+            patch.apply()
 
 
 def switch_off(reason: str) -> None:
@@ -289,8 +331,6 @@ def uninstall() -> None:
     with _lock:
         if _modes:
             raise RuntimeError("ca_dynsaved.uninstall() inside an open compiled-autograd context")
-        if ca._enable is _enable_hook:
-            swap_enable(stock_enable)
-        patch_resume_functions(False)
-        _unregister_config()
+        for patch in reversed(PATCHES):
+            patch.remove()
         _own_cache(STOCK)

@@ -48,7 +48,7 @@ class Run:
     autocast: AutocastState | None  # the caller's autocast state
     # the caller's local dispatch key sets (dispatch_keys), where a Python node runs opaque
     keys: tuple[Any, Any] | None
-    # this run's lifted ints and doubles (runtime.Packer), which the C++ ops'
+    # this run's lifted ints and doubles (scalars.Packer), which the C++ ops'
     # INT / FLOAT leaves index
     ints: Sequence[int] = ()
     floats: Sequence[float] = ()

@@ -44,11 +44,6 @@ from ._compat.dynamo import CUDAGRAPH_UNSAFE, without_dynamo
 from ._compat.engine import ForceDispatchKeys
 from .binding import TIMING, bound, timed
 
-#: The reason the report gives a reentrant checkpoint's node.
-REENTRANT_REASON = (
-    "torch.utils.checkpoint's reentrant backward (CheckpointFunction), which Dynamo skips: "
-    "a graph break under stock; its recomputation and nested backward run in the op"
-)
 
 
 def is_reentrant(cls: type) -> bool:

@@ -2,8 +2,8 @@
 
 Every custom-function node a capture meets gets one ``Decision``: its handling
 (``TRACED``, ``OPAQUE`` or ``STOCK``), the reason, and the plan its mechanism needs.
-``compiler.py`` executes the plan and ``report`` prints the handling and the reason as
-they are, so "why did my node run opaque" is answered by one function per kind of
+The module of its way (``ways/``, which ``compiler.py`` dispatches to) carries out
+the plan, and ``report`` prints the handling and the reason as they are, so "why did my node run opaque" is answered by one function per kind of
 node, here, each from what the capture knows (the call's arguments and lifted
 scalars, the ctx, the user's options):
 
@@ -16,7 +16,7 @@ The plans:
   it is, its lifted ints dynamic, its doubles read from the packed float64 tensor;
 * ``SentinelTrace``: a ``toInt()`` / ``toDouble()`` reader (by default, or named in
   ``trace_cpp``), or a C++ function with hashed values in its first capture
-  (``COMBINATIONS``) (``sentinel``): traced with sentinels, rewritten to the lifted
+  (``tiers.COMBINATIONS``) (``sentinel``): traced with sentinels, rewritten to the lifted
   and computed values, each new tuple of values checked before the compiled graph
   uses it (``verify``: off only for a ``trace_cpp`` name with ``verify=False``);
 * ``Tiered``: a combination of a C++ function's hashed values first met after its
@@ -43,18 +43,15 @@ import torch
 
 from ._compat.capture import is_unpack_placeholder
 from ._compat.layout import CppCall, LayoutError, cpp_node_name, pytree
-from . import checkpoint, cpptrace, graphbreak, policies, probe, pyctx, recording, sentinel
-from .caches import on_reset
+from . import checkpoint, cpptrace, graphbreak, policies, probe, pyctx, recording, sentinel, tiers
+from .names import Handling, Reason
 from .opaque import FLOAT
 from .probe import is_number
 
-#: A node's handling, as the report prints it (OPAQUE and STOCK are spelled as the
-#: policies of the same names, ``policies``, which are the user's choice, not a handling).
-TRACED, OPAQUE, STOCK = "traced-dynamic", "opaque", "stock"
-#: A saved key's handling besides its node's OPAQUE or STOCK (the report's keys): a
-#: number traced dynamic, a hashed value whose captures share compiled code.
-DYNAMIC, REUSED = "dynamic", "reused"
-EXCLUDED = "excluded by enable(exclude=...)"
+# Short names of the vocabulary (``names.py``) the decisions speak.
+TRACED, OPAQUE, STOCK, DYNAMIC, REUSED = Handling.TRACED, Handling.OPAQUE, Handling.STOCK, Handling.DYNAMIC, Handling.REUSED
+EXCLUDED, HASHED_ONLY, HASHED_ONLY_LATER = Reason.EXCLUDED, Reason.HASHED_ONLY, Reason.HASHED_ONLY_LATER
+_LATER_COMBINATION, UNPACKED_AT_RUN_TIME = Reason.LATER_COMBINATION, Reason.UNPACKED_AT_RUN_TIME
 
 
 @dataclass(frozen=True)
@@ -104,20 +101,20 @@ class SentinelTrace:
 
 @dataclass(frozen=True)
 class Tiered:
-    """A later combination of a C++ function's hashed values (``COMBINATIONS``), or a
+    """A later combination of a C++ function's hashed values (``tiers.COMBINATIONS``), or a
     Python backward stock would recompile for or break the graph at
     (``_python_tiered``): the capture holds both ways to run
     the node, ``opaque`` (what runs first, sharing compiled code with the function's
     other later combinations) and ``traced`` (its own graph, traced with sentinels,
     or as stock traces it (``traced`` None: a C++ function that saves no numbers, a
     Python backward's graph-broken pieces), compiled once the capture has run
-    ``SPECIALISE_AFTER_RUNS`` times: ``runtime.tiered``)."""
+    ``tiers.SPECIALISE_AFTER_RUNS`` times: ``ways.tiered``)."""
 
     opaque: "OpaqueCall"
     traced: SentinelTrace | None  # None: no saved numbers, stock's trace
     #: A traced Python node with guarded values (``PythonTrace.guarded``): its
     #: traced graph runs from the first run; its opaque op, in the capture's opaque
-    #: graph, takes the combinations ``runtime.Combinations`` sends away
+    #: graph, takes the combinations ``ways.python_traced.Combinations`` sends away
     guarded: "PythonTrace | None" = None
 
 
@@ -125,7 +122,7 @@ class Tiered:
 class PythonTrace:
     """Stock CA traces the Python backward; ``sources``: its ctx numbers as Dynamo
     names them (``L['hooks'][0].k``), dynamic from the first compile; ``guarded``:
-    the bools / strs / Nones it reads, which Dynamo guards (``runtime.Combinations``
+    the bools / strs / Nones it reads, which Dynamo guards (``ways.python_traced.Combinations``
     probes each new combination of them before a compile)."""
 
     sources: tuple[str, ...]
@@ -216,8 +213,8 @@ def decide_cpp(
     hashed = {key: value for key, _, value, index in node.saved if index is None}
     if len(kinds) + len(hashed) != len(call.keys):
         return opaque_cpp(node, call, verdict.reason), call  # a saved value of no kind we take
-    later = bool(hashed) and not COMBINATIONS.specialised(call.name, call.keys, repr(tuple(hashed.values())), capture)
-    if later and not COMBINATIONS.may_specialise(call.name, call.keys):
+    later = bool(hashed) and not tiers.COMBINATIONS.specialised(call.name, call.keys, repr(tuple(hashed.values())), capture)
+    if later and not tiers.COMBINATIONS.may_specialise(call.name, call.keys):
         return opaque_cpp(node, call, f"{verdict.reason}; {_LATER_COMBINATION}: {_capped()}"), call
     if not kinds:
         # No numbers: nothing for the plugin to lift. Stock's trace, fused, its hashed
@@ -251,82 +248,14 @@ def decide_cpp(
     return dataclasses.replace(node, handling=TRACED, reason=f"{how}: {plan.reason}{checked}{constants}", plan=trace), call
 
 
-_LATER_COMBINATION = "its hashed values are a combination first met after the function's first capture"
-#: A traceable C++ function with no saved numbers (hashed values only, or nothing).
-HASHED_ONLY = "no saved ints or doubles: traced as stock traces it, its hashed values constants of the graph"
-HASHED_ONLY_LATER = "no saved ints or doubles"
-#: A later combination's capture runs opaque and uncompiled until its run number
-#: ``SPECIALISE_AFTER_RUNS``, which compiles its own graph, the node traced with these
-#: hashed values as constants (as stock CA compiles every combination at its first
-#: run): a value new every step never gets there and costs no compile; a combination
-#: that keeps coming back (a cycle, a schedule) has shown it repeats. At most
-#: ``MAX_SPECIALISED`` combinations a function get one; later ones then run opaque,
-#: sharing one compiled graph (docs/cpp.md, "Hashed values"; a compile costs as much
-#: as hundreds of uncompiled runs: docs/benchmarks.md, "Component costs").
-SPECIALISE_AFTER_RUNS = 16
-MAX_SPECIALISED = 8
-#: A Python backward Dynamo breaks the graph at, or one that specialises on a ctx
-#: number, runs opaque, compiled, until its capture's run ``SPECIALISE_AFTER_RUNS``;
-#: then as stock runs it (its graph-broken pieces, fused as stock fuses them, with
-#: stock's guards). Their first run compiles them and a value's first change
-#: recompiles them once (Dynamo makes it dynamic); a graph that compiles in more than
-#: ``RECOMPILING_RUNS`` runs after its first (a value it specialises on, sizes that
-#: keep changing) churns as under stock: the capture goes back to its opaque graph
-#: for good (``runtime.tiered``) ...
-RECOMPILING_RUNS = 2
-#: ... and where stock's graph is no faster: its median over ``TIMED_RUNS`` runs that
-#: compile nothing against the opaque graph's over as many runs before the switch (an
-#: opaque op beside matmuls can beat graph-broken pieces; measured in benchmarks/).
-TIMED_RUNS = 8
 
 
 def _tiered() -> str:
-    return f"opaque and uncompiled until the capture's run {SPECIALISE_AFTER_RUNS}, then its own traced graph"
+    return f"opaque and uncompiled until the capture's run {tiers.SPECIALISE_AFTER_RUNS}, then its own traced graph"
 
 
 def _capped() -> str:
-    return f"opaque, sharing compiled code with its other later combinations (the function has {MAX_SPECIALISED} with graphs of their own)"
-
-
-class _Combinations:
-    """Which combinations of a C++ function's hashed values (bool, str, lists) get
-    graphs specialised on them. CA captures a graph per combination; the ones the
-    function's *first* capture holds (a per-layer mode, a flag that never changes)
-    are traced, fused, as stock CA would; a combination first met in a later
-    capture (values that cycle or keep changing) runs opaque and uncompiled until it
-    has repeated (``Tiered``), then gets its own graph, up to ``MAX_SPECIALISED`` a
-    function (``promoted`` counts them; docs/cpp.md, "Hashed values"). Per function
-    name and saved keys; ``ca_dynsaved.reset()`` clears it."""
-
-    def __init__(self) -> None:
-        self.first: dict[tuple[str, tuple[str, ...]], tuple[int, set[str]]] = {}
-        self.promoted: dict[tuple[str, tuple[str, ...]], int] = {}  # later combinations given a graph
-
-    def specialised(self, name: str, keys: tuple[str, ...], combination: str, capture: int) -> bool:
-        seen = self.first.setdefault((name, keys), (capture, set()))
-        if seen[0] == capture:
-            seen[1].add(combination)
-        return combination in seen[1]
-
-    def may_specialise(self, name: str, keys: tuple[str, ...]) -> bool:
-        return self.promoted.get((name, keys), 0) < MAX_SPECIALISED
-
-    def promote(self, functions: Sequence[tuple[str, tuple[str, ...]]]) -> bool:
-        """Count one more specialised combination for each function, if all are under
-        the cap (one capture's tiered nodes are specialised together)."""
-        if not all(self.may_specialise(*f) for f in functions):
-            return False
-        for f in functions:
-            self.promoted[f] = self.promoted.get(f, 0) + 1
-        return True
-
-    def clear(self) -> None:
-        self.first.clear()
-        self.promoted.clear()
-
-
-COMBINATIONS = _Combinations()
-on_reset(COMBINATIONS.clear)
+    return f"opaque, sharing compiled code with its other later combinations (the function has {tiers.MAX_SPECIALISED} with graphs of their own)"
 
 
 def opaque_cpp(node: Decision, call: CppCall, reason: str) -> Decision:
@@ -377,7 +306,7 @@ def decide_python(
     if stock is not None:
         return dataclasses.replace(node, reason=stock)
     if checkpoint.is_reentrant(ctx._forward_cls):
-        return dataclasses.replace(opaque, reason=checkpoint.REENTRANT_REASON)
+        return dataclasses.replace(opaque, reason=Reason.REENTRANT)
     has_numbers = any(is_number(v) for v in vars(ctx).values())
     if has_numbers and policy == policies.OPAQUE:
         return opaque
@@ -420,17 +349,9 @@ def _python_tiered(opaque: Decision, reason: str) -> Decision:
     """A Python backward stock would recompile for (a value it specialises on) or
     break the graph at: opaque while stock's graph would recompile (new values, new
     sizes); stock's graph, its pieces fused, once the capture has shown it repeats
-    (``runtime.tiered``; the capture's record says when: ``specialised``,
+    (``ways.tiered.wrap``; the capture's record says when: ``specialised``,
     ``despecialised``)."""
     return dataclasses.replace(opaque, reason=reason, plan=Tiered(opaque.plan, None))  # type: ignore[arg-type]
-
-
-#: Why a C++ function, or a Python one with ctx numbers, whose saved tensors a hook
-#: unpacks runs opaque.
-UNPACKED_AT_RUN_TIME = (
-    "its saved tensors are unpacked by a saved-tensor hook (activation checkpointing) when the "
-    "backward runs, so the capture has no shapes to probe it with (one compile, whatever its numbers)"
-)
 
 
 def _is_symbolic(value: Any) -> bool:

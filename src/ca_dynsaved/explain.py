@@ -13,34 +13,41 @@ import re
 from typing import Iterable, Mapping
 
 from ._compat.dynamo import compilation_metrics
-from .decision import DYNAMIC, OPAQUE, REUSED
+from .names import Handling
 from .records import CaptureRecord, FunctionReport, UncapturedRecord
+
+
+#: A key's (reason, fix) by its handling and its node's kind ("C++", "Python"; None:
+#: either), where the words need nothing of the key or node; ``reason_and_fix``
+#: words the others.
+_WORDS: dict[tuple[str, str | None], tuple[str, str]] = {
+    (Handling.DYNAMIC, "C++"): (
+        "traced with the backward: an int is a symbolic graph input from the first "
+        "compile (or, cast to double, read from the packed int64 tensor), a double "
+        "is read from the packed float64 tensor",
+        "",
+    ),
+    (Handling.DYNAMIC, "Python"): (
+        "traced with the backward, a symbolic number from the first compile (the "
+        "backward fuses with its neighbours)",
+        "",
+    ),
+    (Handling.REUSED, None): (
+        "hashed into CA's cache key: each new value is a new capture, whose graph "
+        "shares the compiled code of an equal graph",
+        "",
+    ),
+}
 
 
 def reason_and_fix(kind: str, key: str, type_: str, handling: str, node_reason: str, chosen: bool) -> tuple[str, str]:
     """(reason, fix) for one key; ``chosen``: its node is traced, or stock by the
     plugin's choice (no saved numbers), not by the user's options."""
     scalar = type_ in ("int", "float")
-    if handling == DYNAMIC and kind == "C++":
-        return (
-            "traced with the backward: an int is a symbolic graph input from the first "
-            "compile (or, cast to double, read from the packed int64 tensor), a double "
-            "is read from the packed float64 tensor",
-            "",
-        )
-    if handling == DYNAMIC and kind == "Python":
-        return (
-            "traced with the backward, a symbolic number from the first compile (the "
-            "backward fuses with its neighbours)",
-            "",
-        )
-    if handling == REUSED:
-        return (
-            "hashed into CA's cache key: each new value is a new capture, whose graph "
-            "shares the compiled code of an equal graph",
-            "",
-        )
-    if handling == OPAQUE:
+    words = _WORDS.get((handling, kind)) or _WORDS.get((handling, None))
+    if words is not None:
+        return words
+    if handling == Handling.OPAQUE:
         if kind == "C++" and scalar:
             return "lifted by CA into the graph's scalars; the opaque op reads it at run time", ""
         return "read from the real ctx when the backward runs in the opaque op", ""

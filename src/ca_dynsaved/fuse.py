@@ -6,7 +6,7 @@ that no work in the node pays back (its measure: docs/benchmarks.md, "Component 
 node whose incoming gradients all come from the previous opaque node, which feeds
 nothing else, gains nothing from being a separate call: ``chains`` replaces such a
 run with one ``ca_dynsaved::chain`` op, whose impl calls the same runners one after
-the other (``opaque.run_chain``) and whose fake impl is the last node's.
+the other (``run_chain``) and whose fake impl is the last node's.
 
 It rewrites the graph the compiled code is made from, after the first run has
 learned each node's undefined and passed-through outputs (``reuse.
@@ -17,13 +17,17 @@ with undefined gradients and saved values is what the ops did.
 
 from __future__ import annotations
 
+import hashlib
 import operator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 
 from ._compat.capture import counters
+from ._compat.dynamo import CUDAGRAPH_UNSAFE, without_dynamo
 from . import opaque
+from .caches import on_reset
 
 _OPAQUE = (opaque.CPP_OP, opaque.PY_OP)
 
@@ -63,7 +67,7 @@ def _sole_producer(node: torch.fx.Node) -> torch.fx.Node | None:
             producer = source
         if source is not producer or not isinstance(source, torch.fx.Node):
             return None
-    if producer.target not in (*_OPAQUE, opaque.CHAIN_OP):
+    if producer.target not in (*_OPAQUE, CHAIN_OP):
         return None
     if set(producer.users) != set(grads) or len(set(grads)) != len(grads):
         return None
@@ -73,17 +77,17 @@ def _sole_producer(node: torch.fx.Node) -> torch.fx.Node | None:
     return None if any(r in grads for r in rest) else producer
 
 
-def _parts(node: torch.fx.Node) -> tuple[list[opaque.Step], list[Any], list[Any], list[Any]]:
+def _parts(node: torch.fx.Node) -> tuple[list[Step], list[Any], list[Any], list[Any]]:
     """(steps, grads, tensors, symints) of an opaque op or chain node."""
-    if node.target is opaque.CHAIN_OP:
+    if node.target is CHAIN_OP:
         grads, tensors, symints, plan = node.args
-        return list(opaque.chain_steps(plan)), list(grads), list(tensors), list(symints)
+        return list(chain_steps(plan)), list(grads), list(tensors), list(symints)
     if node.target is opaque.CPP_OP:
         grads, tensors, symints, key, slot = node.args
         hook = None
     else:
         grads, tensors, symints, key, slot, hook = node.args
-    step = opaque.Step(key, slot, hook, (0, len(tensors)), (0, len(symints)), None)
+    step = Step(key, slot, hook, (0, len(tensors)), (0, len(symints)), None)
     return [step], list(grads), list(tensors), list(symints)
 
 
@@ -96,7 +100,7 @@ def _fold(graph: torch.fx.Graph, run: list[torch.fx.Node]) -> None:
         sources = tuple(g.args[1] for g in node.args[0])
         t, s = len(tensors), len(symints)
         steps.append(
-            opaque.Step(
+            Step(
                 step.key, step.slot, step.hook,
                 (t, t + len(node_tensors)), (s, s + len(node_symints)), sources,
             )
@@ -105,7 +109,7 @@ def _fold(graph: torch.fx.Graph, run: list[torch.fx.Node]) -> None:
         symints += node_symints
     last = run[-1]
     with graph.inserting_before(last):
-        chain = graph.call_function(opaque.CHAIN_OP, (grads, tensors, symints, opaque.register_chain(steps)))
+        chain = graph.call_function(CHAIN_OP, (grads, tensors, symints, register_chain(steps)))
     chain.meta = dict(last.meta)
     last.replace_all_uses_with(chain)
     graph.erase_node(last)
@@ -113,3 +117,80 @@ def _fold(graph: torch.fx.Graph, run: list[torch.fx.Node]) -> None:
         for g in list(producer.users):
             graph.erase_node(g)
         graph.erase_node(producer)
+
+
+# --- the chain op: a run of opaque ops as one ----------------------------------------
+opaque.LIB.define(
+    "chain(Tensor?[] grads, Tensor?[] tensors, SymInt[] symints, str plan) -> Tensor?[]",
+    tags=(CUDAGRAPH_UNSAFE,),
+)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One opaque op of a chain: which runner, its key / slot / hook (None for C++),
+    its slices of the chain's tensors and symints, and where its incoming grads come
+    from (None: the chain's ``grads``; else indices into the previous step's outputs)."""
+
+    key: str
+    slot: int
+    hook: int | None
+    tensors: tuple[int, int]
+    symints: tuple[int, int]
+    sources: tuple[int, ...] | None
+
+
+_CHAINS: dict[str, tuple[Step, ...]] = {}
+
+
+def register_chain(steps: Sequence[Step]) -> str:
+    """Store a chain's steps under a key derived from their content; return it."""
+    steps = tuple(steps)
+    plan = hashlib.sha1(repr(steps).encode()).hexdigest()[:20]
+    _CHAINS[plan] = steps
+    return plan
+
+
+def chain_count() -> int:
+    """Chain plans registered (one per fused run) since the last ``clear``."""
+    return len(_CHAINS)
+
+
+def chain_steps(plan: str) -> tuple[Step, ...]:
+    return _CHAINS[plan]
+
+
+@without_dynamo
+def run_chain(grads, tensors, symints, plan):  # type: ignore[no-untyped-def]
+    """Each step's op, in order, on the previous one's outputs, inside one dispatch:
+    what the ops would do one by one, without the dispatcher between them."""
+    outs = grads
+    for step in _CHAINS[plan]:
+        step_grads = grads if step.sources is None else [outs[j] for j in step.sources]
+        step_tensors = tensors[step.tensors[0] : step.tensors[1]]
+        step_symints = symints[step.symints[0] : step.symints[1]]
+        if step.hook is None:
+            outs = opaque.run_cpp(step_grads, step_tensors, step_symints, step.key, step.slot)
+        else:
+            outs = opaque.run_python(step_grads, step_tensors, step_symints, step.key, step.slot, step.hook)
+    return outs
+
+
+opaque.LIB.impl("chain", run_chain, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ca_dynsaved::chain", lib=opaque.LIB)
+def _(grads, tensors, symints, plan):  # type: ignore[no-untyped-def]
+    last = _CHAINS[plan][-1]
+    return opaque.fake_outputs(last.key, tensors[last.tensors[0] : last.tensors[1]], symints[last.symints[0] : last.symints[1]])
+
+
+#: The OpOverload a fused run is in CA graphs: never removed as dead code (opaque.py).
+CHAIN_OP = torch.ops.ca_dynsaved.chain.default
+torch.fx.node.has_side_effect(CHAIN_OP)
+
+
+@on_reset
+def clear() -> None:
+    """Forget every chain plan (only safe when no plugin CA graph is cached)."""
+    _CHAINS.clear()

@@ -7,7 +7,7 @@ op's fake impl (outputs built from the next edges' metadata): it installs no gua
 on saved values and breaks no graph for non-traceable C++ functions.
 
 * ``ca_dynsaved::cpp_function`` runs a C++ ``torch::autograd::Function``; its
-  lifted ints and doubles arrive packed in two tensors (see ``runtime.py``).
+  lifted ints and doubles arrive packed in two tensors (see ``scalars.py``).
 * ``ca_dynsaved::py_function`` runs a Python ``autograd.Function`` backward with
   its real ctx, taken from CA's ``hooks`` of this run.
 
@@ -19,8 +19,8 @@ values CA hashed, which gradients the backward leaves undefined) is a ``binding.
 the runtime wrapper binds for the run (``binding.bound_run``). Two captures that
 differ only in hashed values therefore produce the same graph, and ``reuse.py`` can
 give them one compiled function. What a backward returns is checked and made
-op-safe by ``outputs.finish``; ``ca_dynsaved::chain`` runs a fused run of these ops
-(``fuse.py``).
+op-safe by ``outputs.finish``; ``fuse.py``'s ``ca_dynsaved::chain`` runs a fused run
+of these ops.
 """
 
 from __future__ import annotations
@@ -79,10 +79,9 @@ def registry_size() -> int:
 
 @on_reset
 def clear() -> None:
-    """Forget every node spec and chain (only safe when no plugin CA graph is cached)."""
+    """Forget every node spec (only safe when no plugin CA graph is cached)."""
     _REGISTRY.clear()
     _PARSED.clear()
-    _CHAINS.clear()
 
 
 # A graph compiled after the first run names what that run learned in the op's key,
@@ -284,7 +283,7 @@ def run_python(grads, saved, symints, key, slot, hook):  # type: ignore[no-untyp
 # replay the first step's values forever. With the tag, inductor's graph partitioning
 # runs each op between CUDA-graphed partitions (and without partitioning, skips CUDA
 # graphs for the graph) - see CUDAGRAPH_UNSAFE.
-_lib = torch.library.Library("ca_dynsaved", "DEF")
+LIB = _lib = torch.library.Library("ca_dynsaved", "DEF")  # fuse.py defines its op here too
 _lib.define(
     "cpp_function(Tensor?[] grads, Tensor?[] tensors, SymInt[] symints, str key, int slot) -> Tensor?[]",
     tags=(CUDAGRAPH_UNSAFE,),
@@ -294,69 +293,13 @@ _lib.define(
     "int hook) -> Tensor?[]",
     tags=(CUDAGRAPH_UNSAFE,),
 )
-_lib.define(
-    "chain(Tensor?[] grads, Tensor?[] tensors, SymInt[] symints, str plan) -> Tensor?[]",
-    tags=(CUDAGRAPH_UNSAFE,),
-)
 _lib.impl("cpp_function", run_cpp, "CompositeExplicitAutograd")
 _lib.impl("py_function", run_python, "CompositeExplicitAutograd")
 
 
-# --- a run of opaque ops as one (fuse.py) ------------------------------------------------
-@dataclass(frozen=True)
-class Step:
-    """One opaque op of a chain: which runner, its key / slot / hook (None for C++),
-    its slices of the chain's tensors and symints, and where its incoming grads come
-    from (None: the chain's ``grads``; else indices into the previous step's outputs)."""
-
-    key: str
-    slot: int
-    hook: int | None
-    tensors: tuple[int, int]
-    symints: tuple[int, int]
-    sources: tuple[int, ...] | None
 
 
-_CHAINS: dict[str, tuple[Step, ...]] = {}
-
-
-def register_chain(steps: Sequence[Step]) -> str:
-    """Store a chain's steps under a key derived from their content; return it."""
-    steps = tuple(steps)
-    plan = hashlib.sha1(repr(steps).encode()).hexdigest()[:20]
-    _CHAINS[plan] = steps
-    return plan
-
-
-def chain_count() -> int:
-    """Chain plans registered (one per fused run) since the last ``clear``."""
-    return len(_CHAINS)
-
-
-def chain_steps(plan: str) -> tuple[Step, ...]:
-    return _CHAINS[plan]
-
-
-@without_dynamo
-def run_chain(grads, tensors, symints, plan):  # type: ignore[no-untyped-def]
-    """Each step's op, in order, on the previous one's outputs, inside one dispatch:
-    what the ops would do one by one, without the dispatcher between them."""
-    outs = grads
-    for step in _CHAINS[plan]:
-        step_grads = grads if step.sources is None else [outs[j] for j in step.sources]
-        step_tensors = tensors[step.tensors[0] : step.tensors[1]]
-        step_symints = symints[step.symints[0] : step.symints[1]]
-        if step.hook is None:
-            outs = run_cpp(step_grads, step_tensors, step_symints, step.key, step.slot)
-        else:
-            outs = run_python(step_grads, step_tensors, step_symints, step.key, step.slot, step.hook)
-    return outs
-
-
-_lib.impl("chain", run_chain, "CompositeExplicitAutograd")
-
-
-def _fake_outputs(key: str, tensors, symints) -> list[torch.Tensor | None]:  # type: ignore[no-untyped-def]
+def fake_outputs(key: str, tensors, symints) -> list[torch.Tensor | None]:  # type: ignore[no-untyped-def]
     spec, learned = _parse_key(key)
     defined = learned.defined
     if learned.passthrough is not None:  # the graph uses the grad itself there
@@ -376,31 +319,26 @@ def _fake_outputs(key: str, tensors, symints) -> list[torch.Tensor | None]:  # t
 
 @torch.library.register_fake("ca_dynsaved::cpp_function", lib=_lib)
 def _(grads, tensors, symints, key, slot):  # type: ignore[no-untyped-def]
-    return _fake_outputs(key, tensors, symints)
+    return fake_outputs(key, tensors, symints)
 
 
 @torch.library.register_fake("ca_dynsaved::py_function", lib=_lib)
 def _(grads, saved, symints, key, slot, hook):  # type: ignore[no-untyped-def]
-    return _fake_outputs(key, saved, symints)
+    return fake_outputs(key, saved, symints)
 
 
-@torch.library.register_fake("ca_dynsaved::chain", lib=_lib)
-def _(grads, tensors, symints, plan):  # type: ignore[no-untyped-def]
-    last = _CHAINS[plan][-1]
-    return _fake_outputs(last.key, tensors[last.tensors[0] : last.tensors[1]], symints[last.symints[0] : last.symints[1]])
 
 
 #: The OpOverloads CA graphs call.
 CPP_OP = torch.ops.ca_dynsaved.cpp_function.default
 PY_OP = torch.ops.ca_dynsaved.py_function.default
-CHAIN_OP = torch.ops.ca_dynsaved.chain.default
 # Never removed as dead code, by FX, AOTAutograd or inductor: an op whose outputs
 # the graph uses none of (each one the incoming grad, passed on without a copy) must
 # still run the user's backward, which checks that it still passes them through.
-for _op in (CPP_OP, PY_OP, CHAIN_OP):
+for _op in (CPP_OP, PY_OP):
     torch.fx.node.has_side_effect(_op)
 #: Direct (differentiable) runners, used when a graph runs with create_graph=True.
-RUNNERS = {CPP_OP: run_cpp, PY_OP: run_python, CHAIN_OP: run_chain}
+RUNNERS = {CPP_OP: run_cpp, PY_OP: run_python}
 #: Position of the ``key`` argument of each op.
 KEY_ARG = {CPP_OP: 3, PY_OP: 3}
 

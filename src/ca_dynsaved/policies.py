@@ -7,14 +7,16 @@
 * ``"opaque"``: every node with a saved number runs through the opaque op.
 * ``"stock"``: every node is left to stock compiled autograd.
 
-One module names them, so that a policy and a node's handling (``decision.OPAQUE``,
-``decision.STOCK``: what the report prints) are never confused for each other,
+The values are ``names.Policy``'s, so that a policy and a node's handling
+(``names.Handling``: what the report prints) are never confused for each other,
 though two of them are spelled alike.
 """
 
 from __future__ import annotations
 
-AUTO, OPAQUE, STOCK = "auto", "opaque", "stock"
+from .names import Policy
+
+AUTO, OPAQUE, STOCK = Policy.AUTO, Policy.OPAQUE, Policy.STOCK
 POLICIES = (AUTO, OPAQUE, STOCK)
 
 

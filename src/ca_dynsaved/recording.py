@@ -1,10 +1,10 @@
 """What a C++ backward does, op by op, with where each tensor it passes comes from.
 
-The sentinel plan and verify (``sentinel.py``) compare recordings of one backward run
-with different saved numbers. A recording is one flat list: for each ATen op the
-backward dispatches, the op, the names of its keyword arguments, then its argument
-leaves (a list or tuple as its length, then its items); after the last op,
-``RETURNS`` and what the backward returned. A tensor leaf is its **origin**:
+The sentinel plan and verify (``sentinel.py``, ``ways/verify.py``) compare recordings
+of one backward run with different saved numbers. A recording is one flat list: for
+each ATen op the backward dispatches, the op, the names of its keyword arguments,
+then its argument leaves (a list or tuple as its length, then its items); after the
+last op, ``RETURNS`` and what the backward returned. A tensor leaf is its **origin**:
 
 * ``("saved", i)``: saved tensor ``i``; ``("grad", j)``: incoming gradient ``j``;
 * ``(n, m)``: the ``m``-th tensor op ``n`` returned (a view or an in-place op's

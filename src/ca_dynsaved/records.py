@@ -159,12 +159,12 @@ class CaptureRecord:
     # the graph; stock CA drops them (runtime.running_final_callbacks).
     final_callbacks: int = 0
     # the run on which its later hashed combinations got their own traced graph
-    # (runtime.tiered), or 0
+    # (ways.tiered.wrap), or 0
     specialised: int = 0
     # the run on which that graph gave way to the opaque one (it kept recompiling,
-    # or ran slower: runtime.tiered), or 0
+    # or ran slower: ways.tiered.wrap), or 0
     despecialised: int = 0
-    # a measured tiered capture's (runtime.tiered) median run of its opaque graph and
+    # a measured tiered capture's (ways.tiered.wrap) median run of its opaque graph and
     # of its own, in µs, once both are timed
     tier_times_us: tuple[float, float] | None = None
     # checkpointed saved tensors its graph unpacks with the plugin's op (checkpoint.py),
@@ -172,10 +172,10 @@ class CaptureRecord:
     unpacks: int = 0
     unpack_fallback: str = ""
     # combinations of the bools / strs its traced Python nodes read that run its
-    # graph uncompiled (runtime.Combinations): (ctx.name -> value, why)
+    # graph uncompiled (ways.python_traced.Combinations): (ctx.name -> value, why)
     eager_combinations: list[tuple[dict[str, Any], str]] = field(default_factory=list)
     # those that run the capture's opaque graph instead, where every such node has
-    # its opaque op there (runtime.Combinations.shared)
+    # its opaque op there (ways.python_traced.Combinations.shared)
     opaque_combinations: list[tuple[dict[str, Any], str]] = field(default_factory=list)
     # runs observed and not yet seen by the report's keys (observe / _flush), and
     # the (hook index, ctx attribute) of each of their hook values

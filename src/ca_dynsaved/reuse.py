@@ -66,7 +66,7 @@ def canonical_key(gm: torch.fx.GraphModule) -> str:
     """Each node's kind, target (by identity) and arguments (nodes by position,
     constants by repr), in order: the graph's code without its node names, which
     depend on what a capture traced and then removed (a later combination's graph
-    with its node opaque: ``compiler._opaque_graph``)."""
+    with its node opaque: ``ways.tiered.graphs``)."""
     index: dict[torch.fx.Node, int] = {}
     items = []
     for node in gm.graph.nodes:

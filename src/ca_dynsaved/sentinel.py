@@ -4,11 +4,11 @@ Such a backward turns the lifted symbol into a plain number, so a tracer cannot 
 what it computes from it. It is traced anyway, by default (``decision.decide_cpp``;
 ``enable(trace_cpp=...)`` names functions the user vouches for): at capture the
 functional runs with a *sentinel* in place of each number, and every op argument
-equal to a sentinel becomes the lifted value (``rewrite``): an int as the graph's
+equal to a sentinel becomes the lifted value (``ways.sentinel_traced``): an int as the graph's
 symbolic scalar, a double (or an int cast to double) as the packed float64 tensor,
 the op switched from ``X.Scalar`` to ``X.Tensor``. An argument computed from the
 numbers (``2 * alpha``, ``k % 3``: a ``Derived``) becomes a graph input too, its
-value per new tuple read from verify's run (``rewrite_derived``).
+value per new tuple read from verify's run.
 
 What the sentinels cannot show is checked (docs/cpp.md, "Why the default is sound"),
 on recordings that hold where every tensor comes from (``recording``):
@@ -27,10 +27,10 @@ on recordings that hold where every tensor comes from (``recording``):
 * Two sentinels cannot see everything (a branch both take the same way,
   ``std::min(k, 64)`` with both above 64). ``verify`` (always, except for a
   ``trace_cpp`` name with ``verify=False``) records the node the same way with
-  each *new* tuple of values before the compiled graph uses it (``check``: one
-  comparison of flat lists), and compares with the plan's template; on a
-  difference that step runs without compiled autograd (``runtime.Check``), and the
-  report names the node and the value.
+  each *new* tuple of values before the compiled graph uses it (``ways.verify``:
+  one comparison of flat lists), and compares with the plan's template; on a
+  difference that step runs the node directly (``ways.sentinel_traced.Fallback``),
+  and the report names the node and the value.
 """
 
 from __future__ import annotations
@@ -39,13 +39,12 @@ import math
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from ._compat.capture import counters
 from ._compat.dynamo import exception_line
-from ._compat.symbolic import TorchDispatchMode
 from .caches import on_reset
 from . import opaque
 from .cpptrace import REWRITES
@@ -165,7 +164,7 @@ def values(kinds: dict[str, str], which: int) -> dict[str, int | float]:
     return found
 
 
-def _match(leaf: Any, sentinels: dict[str, int | float], kinds: dict[str, str]) -> Slot | None:
+def match(leaf: Any, sentinels: dict[str, int | float], kinds: dict[str, str]) -> Slot | None:
     for key, value in sentinels.items():
         if type(leaf) is type(value) and leaf == value:
             return Slot(key, kinds[key])
@@ -212,8 +211,8 @@ def _plan(inputs: Inputs, kinds: dict[str, str]) -> Plan:
             return Plan(False, f"the arguments of {op} (op {index}) depend on saved values")
         leaves = []
         for position, (a, b) in enumerate(zip(a_leaves, b_leaves)):
-            slot_a = _match(a, sentinels[0], kinds)
-            slot_b = _match(b, sentinels[1], kinds)
+            slot_a = match(a, sentinels[0], kinds)
+            slot_b = match(b, sentinels[1], kinds)
             if slot_a is not None or slot_b is not None:
                 if slot_a != slot_b:
                     return Plan(False, f"argument {position - 1} of {op} is computed from a saved value ({a!r}, then {b!r})")
@@ -221,7 +220,7 @@ def _plan(inputs: Inputs, kinds: dict[str, str]) -> Plan:
                 if refusal:
                     return Plan(False, refusal)
                 leaves.append(slot_a)
-            elif position and (_is_origin(a) or _is_origin(b)):
+            elif position and (is_origin(a) or is_origin(b)):
                 refusal = _flow(op, index, position, a, b, ops)
                 if refusal:
                     return Plan(False, refusal)
@@ -229,7 +228,7 @@ def _plan(inputs: Inputs, kinds: dict[str, str]) -> Plan:
             elif same(a, b):
                 leaves.append(a)
             else:
-                kind = _number_kind(a, b)
+                kind = number_kind(a, b)
                 refusal = _derived_placement(op, a_leaves, position, kind, a, b, dtypes)
                 if refusal:
                     return Plan(False, refusal)
@@ -252,7 +251,7 @@ def _plan(inputs: Inputs, kinds: dict[str, str]) -> Plan:
     return _with_flat(Plan(True, reason, tuple(template), dict(kinds), tuple(derived), returned), recordings[0])
 
 
-def _is_origin(leaf: Any) -> bool:
+def is_origin(leaf: Any) -> bool:
     """A tensor's origin (``recording``): the only tuple among an op's leaves after
     the kwargs names, since lists and tuples are flattened."""
     return type(leaf) is tuple
@@ -292,7 +291,7 @@ def _with_flat(plan_: Plan, recording: Recording) -> Plan:
     return plan_
 
 
-def _number_kind(a: Any, b: Any) -> str | None:
+def number_kind(a: Any, b: Any) -> str | None:
     """INT / FLOAT when both traces gave a number of that type there (a bool is no
     number here), else None."""
     if type(a) is type(b) is int:
@@ -305,7 +304,7 @@ def _number_kind(a: Any, b: Any) -> str | None:
 def _floating_self(leaves: tuple[Any, ...], dtypes: dict[Any, torch.dtype]) -> bool:
     """The op's first argument is a floating-point tensor (``leaves[0]`` is the
     kwargs names, so argument 0 is ``leaves[1]``)."""
-    dtype = dtypes.get(leaves[1]) if len(leaves) > 1 and _is_origin(leaves[1]) else None
+    dtype = dtypes.get(leaves[1]) if len(leaves) > 1 and is_origin(leaves[1]) else None
     return dtype is not None and dtype.is_floating_point
 
 
@@ -363,177 +362,3 @@ def _placement(op: Any, leaves: tuple[Any, ...], position: int, slot: Slot, dtyp
         f"saved '{slot.key}' (a {what}) reaches argument {position - 1} of {op}, where the "
         "backend would specialise it (only the scalar of mul/add/sub/div/pow on a floating tensor can take it)"
     )
-
-
-def check(plan_: Plan, inputs: Inputs, new: dict[str, int | float]) -> tuple[str, tuple[int | float, ...]]:
-    """('', the derived values) when the backward, run with ``new``, does exactly
-    what the template says with those values: the same ops, the same arguments (the
-    new values in the slots), the same tensors by origin, the same tensors returned;
-    else (what differs, ())."""
-    recording = inputs.record(inputs.values(new))
-    if recording.error is not None:
-        return f"its backward raised ({exception_line(recording.error)})", ()
-    flat = recording.flat
-    if len(flat) == len(plan_.flat):
-        expected = plan_.flat.copy()
-        for at, key, as_float in plan_.slots_at:
-            expected[at] = float(new[key]) if as_float else new[key]
-        for at in plan_.derived_at:
-            expected[at] = flat[at]
-        if flat == expected and list(map(type, flat)) == plan_.types and _signs_agree(plan_, flat, expected):
-            return "", tuple(flat[at] for at in plan_.derived_at)
-    return _difference(plan_, recording, new)
-
-
-def _signs_agree(plan_: Plan, flat: list[Any], expected: list[Any]) -> bool:
-    """The zeros among the floats compared equal have the same sign (``-0.0 == 0.0``):
-    the template's float constants that are zero, and the double slots given a zero."""
-    for at in plan_.zeros_at:
-        if math.copysign(1.0, flat[at]) != math.copysign(1.0, expected[at]):
-            return False
-    for at, _, _ in plan_.slots_at:
-        value = expected[at]
-        if value == 0.0 and type(value) is float and math.copysign(1.0, flat[at]) != math.copysign(1.0, value):
-            return False
-    return True
-
-
-def _difference(plan_: Plan, recording: Recording, new: dict[str, int | float]) -> tuple[str, tuple[int | float, ...]]:
-    """``check``'s slow path, leaf by leaf: what differs first (('', derived) if
-    nothing does: a NaN compares unequal in the flat comparison, equal here)."""
-    ops = recording.ops()
-    if len(ops) != len(plan_.template):
-        at = next((i for i, (a, b) in enumerate(zip(ops, plan_.template)) if a[0] != b[0]), None)
-        first = "" if at is None else f" (op {at} is {ops[at][0]}, not {plan_.template[at][0]})"
-        return f"it runs {len(ops)} ops instead of {len(plan_.template)}{first}", ()
-    names = [op for op, _ in plan_.template]
-    derived: list[int | float] = []
-    for index, ((op, leaves), (t_op, t_leaves)) in enumerate(zip(ops, plan_.template)):
-        if op != t_op or len(leaves) != len(t_leaves):
-            return f"op {index} is {op} instead of {t_op}", ()
-        for position, (leaf, expected) in enumerate(zip(leaves, t_leaves)):
-            if leaf is expected:  # the common case, an argument no saved number reaches
-                continue
-            kind = type(expected)
-            if kind is Derived:
-                if _number_kind(leaf, leaf) is not expected.kind:
-                    return f"argument {position - 1} of {op} is {leaf!r}, not a {expected.kind}", ()
-                derived.append(leaf)
-                continue
-            if position and _is_origin(expected):
-                if leaf != expected:
-                    return (
-                        f"argument {position - 1} of {op} (op {index}) is {describe(leaf, names)}, "
-                        f"not {describe(expected, names)}"
-                    ), ()
-                continue
-            if kind is Slot:
-                value = new[expected.key]
-                expected = float(value) if expected.as_float else value
-            if not same(leaf, expected):
-                return f"argument {position - 1} of {op} is {leaf!r}, not {expected!r}", ()
-    returned = recording.returned()
-    for i, (got, expected) in enumerate(zip(returned, plan_.returned)):
-        if got != expected:
-            return f"it returns {describe(got, names)} as gradient {i}, not {describe(expected, names)}", ()
-    return "", tuple(derived)  # in Derived.index order: the plan numbered them in this walk's order
-
-
-class NodesOfOps(TorchDispatchMode):
-    """During the capture's trace of a node: the CA graph node each op it runs made
-    (None if none), in the order the template lists the ops, so a Derived argument
-    is found by its op and position, not by its value."""
-
-    def __init__(self, graph: torch.fx.Graph) -> None:
-        super().__init__()
-        self.graph = graph
-        self.nodes: list[torch.fx.Node | None] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        before = len(self.graph.nodes)
-        out = func(*args, **(kwargs or {}))
-        made = [n for _, n in zip(range(len(self.graph.nodes) - before), reversed(self.graph.nodes))]
-        self.nodes.append(next((n for n in made if n.op == "call_function" and n.target is func), None))
-        return out
-
-
-def unplaceable(plan_: Plan, nodes: Sequence[torch.fx.Node | None]) -> str:
-    """Why the capture's trace of a node (``nodes``, from ``NodesOfOps``) does not
-    line up with its template, so its computed values cannot be placed, or ''."""
-    if not plan_.derived:
-        return ""
-    if len(nodes) != len(plan_.template):
-        return f"the capture traced {len(nodes)} ops where the sentinel traces ran {len(plan_.template)}"
-    missing = next((i for i, _, _ in plan_.derived if nodes[i] is None), None)
-    return "" if missing is None else f"op {missing} of its trace made no graph node"
-
-
-def rewrite_derived(
-    plan_: Plan,
-    nodes: Sequence[torch.fx.Node | None],
-    value_for: Callable[[Derived], torch.fx.Node],
-) -> None:
-    """Each Derived argument of the template, at its op's node (``nodes``, from
-    ``NodesOfOps``, which ``unplaceable`` accepted), becomes ``value_for(derived)``:
-    an int the graph's symbolic scalar, a double (an ``X.Scalar`` op's scalar, the op
-    switched to ``X.Tensor``) a 0-dim float64 tensor."""
-    for op_index, position, kind in plan_.derived:
-        node = nodes[op_index]
-        assert node is not None
-        derived = plan_.template[op_index][1][position]
-        value = value_for(derived)
-        if kind is opaque.FLOAT:  # placement: argument 1 of an X.Scalar op
-            node.target = REWRITES[node.target]
-            node.args = (node.args[0], value, *node.args[2:])
-        else:
-            node.args, node.kwargs = _replace_leaf(node.args, node.kwargs, position, value)
-
-
-def _replace_leaf(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, value: Any) -> tuple[Any, Any]:
-    """``args``/``kwargs`` with leaf ``position`` (as ``recording`` counts leaves after
-    the kwargs names) replaced by ``value``."""
-    count = [0]
-
-    def walk(v: Any) -> Any:
-        count[0] += 1
-        if isinstance(v, (list, tuple)) and not isinstance(v, torch.fx.Node):
-            return type(v)(walk(x) for x in v)
-        return value if count[0] == position else v
-
-    # leaf 0 is the kwargs names; a list is one leaf (its length) and then its items
-    new_args = tuple(walk(a) for a in args)
-    new_kwargs = {k: walk(v) for k, v in kwargs.items()}
-    return new_args, new_kwargs
-
-
-def rewrite(
-    region: Sequence[torch.fx.Node],
-    kinds: dict[str, str],
-    tensor_for: Callable[[Slot], torch.fx.Node],
-    symint_for: Callable[[Slot], torch.fx.Node],
-) -> None:
-    """Make the sentinels the capture traced with (set 0) the lifted values in the
-    ``region`` of the CA graph the trace recorded: an ``X.Scalar`` op's double (or
-    int cast to double) becomes ``X.Tensor`` of ``tensor_for(slot)`` (a 0-dim
-    float64), an int anywhere becomes ``symint_for(slot)`` (the symbolic scalar)."""
-    sentinels = values(kinds, 0)
-
-    def substitute(leaf: Any) -> Any:
-        slot = None if isinstance(leaf, torch.fx.Node) else _match(leaf, sentinels, kinds)
-        if slot is None:
-            return leaf
-        if slot.kind is opaque.INT and not slot.as_float:
-            return symint_for(slot)
-        raise RuntimeError(f"ca_dynsaved: saved '{slot.key}' at a place its plan refused")
-
-    for node in region:
-        if node.op != "call_function":
-            continue
-        args = list(node.args)
-        if node.target in REWRITES and len(args) > 1:
-            slot = _match(args[1], sentinels, kinds)
-            if slot is not None and (slot.kind is opaque.FLOAT or slot.as_float):
-                node.target = REWRITES[node.target]
-                args[1] = tensor_for(slot)
-        node.args = torch.fx.node.map_aggregate(tuple(args), substitute)
-        node.kwargs = torch.fx.node.map_aggregate(dict(node.kwargs), substitute)

@@ -80,7 +80,7 @@ def test_wavelet_round_trip(mode: str) -> None:
 def test_sizes_that_keep_changing_keep_the_opaque_backward() -> None:
     """Past its capture's run 16 the opaque SFB2D stays opaque: the image size changes
     every step, and stock's graph-broken pieces would recompile for each new one (the
-    plugin switches to stock's graph only once sizes hold: runtime.tiered). Two
+    plugin switches to stock's graph only once sizes hold: ways.tiered.wrap). Two
     compiles in 24 steps, no break, every step's gradients eager's."""
     step, params = _loop("symmetric")
     _, want = train(step, params, "eager", 24)

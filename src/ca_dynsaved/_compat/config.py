@@ -37,6 +37,11 @@ def register_config_entry(name: str, default: Any, value_type: type) -> None:
         _mark_config_dirty(config)
 
 
+def is_config_entry(name: str) -> bool:
+    """Whether ``torch._dynamo.config.<name>`` is registered."""
+    return name in torch._dynamo.config._config
+
+
 def unregister_config_entry(name: str) -> None:
     config = torch._dynamo.config
     if config._config.pop(name, None) is not None:

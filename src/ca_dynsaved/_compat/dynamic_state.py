@@ -69,6 +69,13 @@ def _marking_resume_functions(generate: Any) -> Any:
     return wrapper
 
 
+def resume_functions_patched() -> bool:
+    """Whether the resume-function marking is installed."""
+    from torch._dynamo.resume_execution import ContinueExecutionCache as cache
+
+    return getattr(cache.__dict__["generate"].__func__, "__wrapped_generate__", None) is not None
+
+
 def patch_resume_functions(on: bool) -> None:
     """Install (``on``) or remove the resume-function marking; idempotent."""
     from torch._dynamo.resume_execution import ContinueExecutionCache as cache
