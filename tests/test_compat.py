@@ -104,6 +104,22 @@ def test_import_succeeds_on_this_torch():
     assert _import_after("") == []
 
 
+def test_every_hook_the_plugin_overrides_is_one_this_torch_calls():
+    """Each method of the plugin's capture class that replaces one of stock's is
+    marked ``@override`` and names a method stock's class has on this release: a
+    hook torch renames (so C++ would no longer call the plugin's) fails here."""
+    stock = compiler.StockCompilerInstance
+    ours = {name: fn for name, fn in vars(compiler.DynSavedCompilerInstance).items() if callable(fn)}
+    marked = {name for name, fn in ours.items() if getattr(fn, "__override__", False)}
+    assert marked == {name for name in ours if name != "__init__" and hasattr(stock, name)}
+    assert marked >= {
+        "begin_capture", "bind_function", "apply_functional", "proxy_call_backward", "validate_outputs",
+        "create_graph_module", "end_capture", "unpack_hook", "allocate_dummy_like",
+    }
+    for name in marked:
+        assert callable(getattr(stock, name)), name
+
+
 # --- an untested release the user allows: the self-check decides ----------------------
 _NIGHTLY = "torch.__version__ = '2.16.0.dev20261130'"
 

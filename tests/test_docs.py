@@ -62,7 +62,10 @@ def test_readme_is_a_front_door():
     # the two set-up commands come first, pinned
     first = text.split("\n## ", 1)[0]
     assert "pip install torch==2.13.0 -e . && .venv/bin/python -m ca_dynsaved demo" in first
-    assert "pip install torch==2.13.0 torchvision==0.28.0 -e '.[test]' && .venv/bin/python -m pytest tests benchmarks -q -n 2" in first
+    assert (
+        "pip install torch==2.13.0 torchvision==0.28.0 -e '.[test]' -c .ci/constraints.txt "
+        "&& .venv/bin/python -m pytest tests benchmarks -q -n 2"
+    ) in first
     for topic in TOPICS:
         assert (ROOT / "docs" / topic).is_file(), topic
         assert f"(docs/{topic})" in text, f"README.md does not link docs/{topic}"
@@ -75,8 +78,10 @@ def test_readme_test_command_is_what_ci_runs():
     command = re.search(r"-m pytest ([^`]+)`", readme).group(1)
     ci = (ROOT / ".ci" / "run").read_text()
     assert f'FULL="{command}"' in ci
-    pins = re.search(r"pip install torch==(\S+) torchvision==(\S+) -e '\.\[test\]'", readme).groups()
+    pins = re.search(r"pip install torch==(\S+) torchvision==(\S+) -e '\.\[test\]' -c (\S+) ", readme).groups()
     assert f'"{pins[0]} python3 .venv pip FULL {pins[1]}"' in ci
+    # the exact versions of the test extra: the same constraints file, for every stage
+    assert ci.count(f"-e '.[test]' -c {pins[2]}") == 2  # pip's install and uv's
 
 
 def _slug(heading: str) -> str:

@@ -349,3 +349,33 @@ def test_two_threads_each_running_backward(ext):
         assert_grads_equal(got[key], grads)
     assert counts() == Counts(captures=1, compiles=1, graph_breaks=0)
     assert patched_state() == before
+
+
+def test_console_script_is_the_module_command(monkeypatch, capsys):
+    """pyproject's ``ca-dynsaved`` script is ``python -m ca_dynsaved``'s command."""
+    import importlib
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    module, _, attr = project["scripts"]["ca-dynsaved"].partition(":")
+    cli = getattr(importlib.import_module(module), attr)
+    monkeypatch.setattr(sys, "argv", ["ca-dynsaved", "--help"])
+    assert cli() == 0
+    assert "ca-dynsaved demo" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["ca-dynsaved", "no-such-command"])
+    assert cli() == 2
+
+
+def test_the_version_is_written_once():
+    """pyproject.toml writes no version: it reads the package's ``__version__``, which
+    is the installed metadata's."""
+    import importlib.metadata
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "version" not in pyproject["project"] and "version" in pyproject["project"]["dynamic"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "ca_dynsaved.__version__"}
+    assert importlib.metadata.version("ca_dynsaved") == ca_dynsaved.__version__

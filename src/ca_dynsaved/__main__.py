@@ -1,6 +1,8 @@
-"""python -m ca_dynsaved demo [--backend B] [--steps N]
-python -m ca_dynsaved run [--backend B] [--compare] script.py [args]
-python -m ca_dynsaved selfcheck    (the check an untested torch must pass)"""
+"""ca-dynsaved demo [--backend B] [--steps N]
+ca-dynsaved run [--backend B] [--compare] script.py [args]
+ca-dynsaved selfcheck    (the check an untested torch must pass)
+
+(``python -m ca_dynsaved`` is the same command.)"""
 
 from __future__ import annotations
 
@@ -24,9 +26,14 @@ def main(argv: list[str]) -> int:
         from .selfcheck import main as selfcheck_main
 
         return selfcheck_main(rest)
-    print(f"unknown command {command!r}; see `python -m ca_dynsaved --help`", file=sys.stderr)
+    print(f"unknown command {command!r}; see `ca-dynsaved --help`", file=sys.stderr)
     return 2
 
 
+def cli() -> int:
+    """The ``ca-dynsaved`` console script."""
+    return main(sys.argv[1:])
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(cli())

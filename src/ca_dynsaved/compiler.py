@@ -3,17 +3,18 @@ custom-function node to the way it runs.
 
 C++ calls ``begin_capture``, ``bind_function``, ``apply_functional``,
 ``proxy_call_backward``, ``validate_outputs`` and ``end_capture`` on the instance
-by name, so overriding them is enough to change how custom functions enter the CA
-graph. Per custom-function node, ``decision.py`` decides (traced, opaque or stock,
-and why); this module only dispatches the decision to the module of its way, each
-of which holds what it emits into the graph at capture and what it binds each run:
+by name, so overriding them (each ``@override``: a hook torch renames fails
+``tests/test_compat.py``) changes how custom functions enter the CA graph.
+``decision.py`` decides each node (traced, opaque or stock, and why); this module
+only dispatches it to the module of its way, which holds what it emits into the
+graph at capture and what it binds each run:
 
 ==========================  ==========================================================
 ``ways/traced.py``          a C++ node traced (``CppTrace``; ``SentinelTrace`` through
                             ``ways/sentinel_traced.py``, verified by ``ways/verify.py``)
 ``ways/python_traced.py``   a Python node stock traces, its ctx numbers dynamic
-``ways/opaque_op.py``       one opaque op (deferred to ``validate_outputs``, which
-                            gives the outputs' symbolic metadata)
+``ways/opaque_op.py``       one opaque op (emitted at ``validate_outputs``, which gives
+                            the outputs' symbolic metadata)
 ``ways/tiered.py``          both of these, the runtime choosing between two graphs
 ``ways/checkpointed.py``    checkpoint unpacks as ops, as the graph is made
 stock                       CA's own hook, unchanged
@@ -27,15 +28,15 @@ guards none. Every override is excluded from Dynamo: capture runs inside
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Sequence
 
 import torch
+from typing_extensions import override
 
 from ._compat.capture import StockCompilerInstance, grad_dtype, no_proxy_modes
 from ._compat.dynamic_state import mark_dynamic_scalars
 from ._compat.runtime_wrapper import sizes_made_once
-from . import sentinel
+from . import report, sentinel
 from .decision import OPAQUE, CppTrace, Options, PythonTrace, SentinelTrace, Tiered, decide_cpp, decide_python, opaque_cpp
 from .runtime import RunSpec, make_runtime_wrapper, running_final_callbacks
 from .scalars import Packer
@@ -43,9 +44,6 @@ from .state import Capture, Deferred
 from .ways import checkpointed, opaque_op, python_traced, sentinel_traced, tiered, traced
 
 _disable = torch.compiler.disable
-#: TORCH_LOGS="ca_dynsaved" shows what the plugin did with each capture; "+ca_dynsaved"
-#: adds the captured graph.
-log = logging.getLogger("ca_dynsaved")
 
 
 class DynSavedCompilerInstance(StockCompilerInstance):
@@ -57,6 +55,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         super().__init__(compiler_fn)
         self.options = options
 
+    @override
     @_disable
     def begin_capture(self, inputs, sizes, scalars, origins, accumulate_grad, check_nans):  # type: ignore[no-untyped-def,override]
         values = list(scalars)  # super() swaps them for symbols in place
@@ -64,6 +63,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         self._cap = Capture.begin(self, self.options, values, out[3])
         return out
 
+    @override
     @_disable
     def allocate_dummy_like(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         # Stock calls this once, for the gradient its capture assigns to a leaf
@@ -73,6 +73,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         with no_proxy_modes():
             return torch.empty_like(x, dtype=grad_dtype(x))
 
+    @override
     @_disable
     def unpack_hook(self, hook_id: int, data_id: int) -> torch.Tensor:  # type: ignore[override]
         # Stock's call_hook node, which create_graph_module swaps for the unpack op
@@ -82,6 +83,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         self._cap.unpack_calls.append((self.to_proxy(out).node, hook_id, data_id))
         return out
 
+    @override
     @_disable
     def bind_function(self, fn_name, fn, is_custom_function, is_traceable):  # type: ignore[no-untyped-def,override]
         name = super().bind_function(fn_name, fn, is_custom_function, is_traceable)
@@ -91,6 +93,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
                 self._cap.traceable.add(name)
         return name
 
+    @override
     @_disable
     def apply_functional(self, fn_name, grads, args, output_metadata):  # type: ignore[no-untyped-def,override]
         def stock() -> Sequence[Any]:
@@ -125,6 +128,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         cap.record_node(decision)
         return stock()
 
+    @override
     @_disable
     def proxy_call_backward(  # type: ignore[override]
         self, inputs, output_metadatas, saved_tensors, backward_idx, ctx,
@@ -158,6 +162,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
             return stock()
         return tuple(opaque_op.defer(cap, decision, inputs, output_metadatas, stock, hook=backward_idx, saved=saved_tensors))
 
+    @override
     @_disable
     def validate_outputs(self, _, outputs, args, output_metadata):  # type: ignore[no-untyped-def,override]
         def stock() -> Any:
@@ -175,6 +180,7 @@ class DynSavedCompilerInstance(StockCompilerInstance):
             tiered.validated(cap, pending.tier, outputs, args[0])
         return out
 
+    @override
     def create_graph_module(self, id: str) -> torch.fx.GraphModule:  # type: ignore[override]
         cap = self._cap
         traced.rewrite_floats(cap)
@@ -191,17 +197,15 @@ class DynSavedCompilerInstance(StockCompilerInstance):
         self._graph_module = super().create_graph_module(id)
         return self._graph_module
 
+    @override
     @_disable
     def end_capture(self, outputs):  # type: ignore[no-untyped-def,override]
         runtime_wrapper, compiled_fn = super().end_capture(outputs)
-        cap, graph_module = self._cap, self._graph_module
+        # The capture's state ends here: CA's cache may keep this instance as long as
+        # the graph, and the runs need only what the RunSpec below takes from it.
+        cap, graph_module, self._cap = self._cap, self._graph_module, None
         runtime_wrapper = running_final_callbacks(sizes_made_once(runtime_wrapper), cap.record)
-        if log.isEnabledFor(logging.INFO):
-            for node in cap.record.nodes:
-                what = f"{node.handling} ({node.reason})" if node.reason else node.handling
-                keys = ", ".join(f"{k}: {t}" for k, t in zip(node.keys, node.kinds))
-                log.info("capture !%d: %s %s; saved %s", self.id, node.name, what, keys or "nothing")
-            log.debug("capture !%d graph:\n%s", self.id, graph_module.code)
+        report.log_capture(cap.record, graph_module)
         # Before Dynamo's first compile of the graph, which its first call makes.
         mark_dynamic_scalars(graph_module.forward.__code__, cap.dynamic_sources)
         # The combinations past the cap run the capture's opaque graph, whose compile

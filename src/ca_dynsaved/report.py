@@ -11,6 +11,7 @@ its records (a function's, a key's, a capture's) are ``records.py``'s.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
@@ -124,6 +125,22 @@ def _key_dict(key: KeyReport) -> dict[str, Any]:
 
 _REPORT = Report()
 # --- what the capture hooks call -------------------------------------------------------
+#: TORCH_LOGS="ca_dynsaved" shows what the plugin did with each capture; "+ca_dynsaved"
+#: adds the captured graph.
+log = logging.getLogger("ca_dynsaved")
+
+
+def log_capture(capture: CaptureRecord, graph_module: Any) -> None:
+    """A capture's nodes, as decided, to the plugin's log (INFO), and its graph (DEBUG)."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    for node in capture.nodes:
+        what = f"{node.handling} ({node.reason})" if node.reason else node.handling
+        keys = ", ".join(f"{k}: {t}" for k, t in zip(node.keys, node.kinds))
+        log.info("capture !%d: %s %s; saved %s", capture.ca_id, node.name, what, keys or "nothing")
+    log.debug("capture !%d graph:\n%s", capture.ca_id, graph_module.code)
+
+
 def begin_capture(ca_id: int) -> CaptureRecord:
     record = CaptureRecord(ca_id, time.time_ns() // 1000)
     if len(_REPORT.captures) == _REPORT.captures.maxlen:
