@@ -111,13 +111,16 @@ def test_every_hook_the_plugin_overrides_is_one_this_torch_calls():
     stock = compiler.StockCompilerInstance
     ours = {name: fn for name, fn in vars(compiler.DynSavedCompilerInstance).items() if callable(fn)}
     marked = {name for name, fn in ours.items() if getattr(fn, "__override__", False)}
-    assert marked == {name for name in ours if name != "__init__" and hasattr(stock, name)}
+    assert marked == set(ours) - {"__init__"}
     assert marked >= {
         "begin_capture", "bind_function", "apply_functional", "proxy_call_backward", "validate_outputs",
         "create_graph_module", "end_capture", "unpack_hook", "allocate_dummy_like",
     }
-    for name in marked:
-        assert callable(getattr(stock, name)), name
+    missing = {name for name in marked if not callable(getattr(stock, name, None))}
+    # torch 2.13 added allocate_dummy_like (a leaf gradient's dummy, in its dtype): the
+    # releases before it never call it; every other hook is on every tested release
+    later = {"allocate_dummy_like"} if torch.torch_version.TorchVersion(torch.__version__) < "2.13" else set()
+    assert missing == later
 
 
 # --- an untested release the user allows: the self-check decides ----------------------
