@@ -66,6 +66,12 @@ def long_run_s(r: dict) -> float:
     return seconds + r["steady_us"] * 1e-6 * (LONG_RUN - steps)
 
 
+def cost(us: float, unit: str = "") -> str:
+    """A cost as the tables print it: a difference below zero (the config with more
+    work measured faster) is this machine's noise, never printed as a negative cost."""
+    return f"{us:.0f}{unit}" if us >= 0 else "within noise (< 0)"
+
+
 def crossing(r: dict, other: dict) -> str:
     """Where ``r``'s cumulative time crosses ``other``'s (both linear after their
     measured first steps): who is ahead, and from which step on."""
@@ -114,10 +120,7 @@ def table(data: dict) -> str:
                 r = rows.get((v, config))
                 if r is None or floor is None or varying is None:
                     continue
-                per_node = (
-                    f"{(r['steady_us'] - floor['steady_us']) / r['opaque_nodes']:.0f}"
-                    if r["opaque_nodes"] else ""
-                )
+                per_node = cost((r["steady_us"] - floor["steady_us"]) / r["opaque_nodes"]) if r["opaque_nodes"] else ""
                 lines.append(
                     f"| {v} | {config} | {r['compiles']} | {r['captures']} | {r['opaque_nodes']} | "
                     f"{r['total_s']:.2f} | {r['steady_us']:.0f} | {r['total_s'] / floor['total_s']:.2f} | "
@@ -217,16 +220,16 @@ def table(data: dict) -> str:
         lines.append(
             f"\nplugin_varying ÷ plugin_constant: {r['varying_vs_constant']:.2f} (pass by pass: "
             f"{min(r['pass_ratios']):.2f}–{max(r['pass_ratios']):.2f}); the proof's cost per new tuple "
-            f"inside whole steps: {r['per_tuple_us']:.0f} µs ({r['blocks']} new tuples a step); one check alone, "
+            f"inside whole steps: {cost(r['per_tuple_us'], ' µs')} ({r['blocks']} new tuples a step); one check alone, "
             f"cache-warm: {r['one_check_us']:.0f} µs."
         )
     direct = {r["config"]: r for r in data["results"] if r.get("variant") == "cpp_direct" and r.get("model") == "elementwise"}
     if "plugin_varying" in direct and "plugin_trust_varying" in direct:
-        cost = direct["plugin_varying"]["steady_us"] - direct["plugin_trust_varying"]["steady_us"]
+        difference = direct["plugin_varying"]["steady_us"] - direct["plugin_trust_varying"]["steady_us"]
         lines += [
             "",
             f"verify's cost per new value (cpp_direct, 3 nodes, every step new): "
-            f"{cost:.0f} µs a step (plugin_varying - plugin_trust_varying, steady), one check: "
+            f"{cost(difference, ' µs a step')} (plugin_varying - plugin_trust_varying, steady), one check: "
             "the 3 nodes share their function, layout and values, so they share its result.",
         ]
     return "\n".join(lines) + "\n"

@@ -7,9 +7,9 @@
 #   bash tests/run_gpu.sh [PYTHON]
 #
 # PYTHON: an interpreter whose torch is a CUDA build of a supported release (2.11 to
-# 2.15); default python3: on the GPU machine this workplace lends, its own torch
-# 2.11.0+cu130 on Python 3.12, with pytest, numpy, hypothesis, g++, ninja and nvcc
-# there. Installs nothing (that machine has no network) and needs nothing but the
+# 2.15); default python3, targeted as torch 2.11.0+cu130 on Python 3.12 with pytest,
+# numpy, hypothesis, g++, ninja and nvcc beside it. Installs nothing (a GPU machine
+# may have no network) and needs nothing but the
 # repo: the plugin is imported from src/, the test extension is built into
 # .ext_build/ on first use (about 25 s). Writes gpu-log.txt and gpu-report.json to
 # $OUT (or ./gpu-out). Exit status: pytest's (or the self-check's when pytest

@@ -243,8 +243,8 @@ def test_special_values_traced(backend):
     assert counts() == Counts(captures=1, compiles=2, graph_breaks=0)
     keys = ca_dynsaved.report().functions["ScaleFn"].keys
     assert {n: (v.handling, v.recompiles, v.compiles) for n, v in keys.items()} == {
-        "k": ("dynamic", 0, 0),
-        "scale": ("dynamic", 1, 2),
+        "k": ("traced-dynamic", 0, 0),
+        "scale": ("traced-dynamic", 1, 2),
     }
     assert "hooks[0].scale" in keys["scale"].guard
     assert f"ScaleFn.scale: {keys['scale'].reason}; Dynamo recompiled on {keys['scale'].guard}" in str(
@@ -309,7 +309,7 @@ def test_report_and_log_say_traced_or_opaque_and_why():
         "ctx.k needs its value (guard ctx.k > 2)",
     )
     keys = {k["key"]: (k["handling"], k["compiles"]) for k in functions["ScaleFn"]["keys"]}
-    assert keys == {"k": ("dynamic", 0), "scale": ("dynamic", 0)}
+    assert keys == {"k": ("traced-dynamic", 0), "scale": ("traced-dynamic", 0)}
     text = str(rep)
     assert "ScaleFn: traced-dynamic, its ctx numbers only reach tensor math: ctx.k, ctx.scale" in text
     assert "GainBranchFn: opaque, ctx.k needs its value (guard ctx.k > 2)" in text

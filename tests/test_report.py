@@ -202,7 +202,7 @@ def test_run_reports_a_failing_script(tmp_path):
 def test_values_seen_are_distinct_and_bounded():
     from ca_dynsaved.records import MAX_COUNTED, MAX_VALUES, KeyReport
 
-    key = KeyReport("k", "C++", "int", "dynamic", "", "")
+    key = KeyReport("k", "C++", "int", "traced-dynamic", "", "")
     for _ in range(3):
         for v in range(20):
             key.see(v)
@@ -219,7 +219,7 @@ def test_values_seen_in_bulk_match_one_by_one():
     from ca_dynsaved.records import MAX_COUNTED, MAX_VALUES, KeyReport
 
     stream = [float("nan"), True, 1, 1.0, *range(40), float("nan"), *range(2 * MAX_COUNTED)]
-    one, bulk = (KeyReport("k", "C++", "int", "dynamic", "", "") for _ in range(2))
+    one, bulk = (KeyReport("k", "C++", "int", "traced-dynamic", "", "") for _ in range(2))
     for v in stream:
         one.see(v)
     for start in range(0, len(stream), 64):
@@ -236,7 +236,7 @@ def test_observed_runs_are_seen_when_the_report_is_read():
     from ca_dynsaved import decision, records as rep
 
     record = rep.CaptureRecord(0, 0)
-    record.scalars[0] = rep.KeyReport("s", "C++", "float", decision.DYNAMIC, "", "")
+    record.scalars[0] = rep.KeyReport("s", "C++", "float", decision.TRACED, "", "")
     function = rep.FunctionReport("F", "Python", True, "")
     function.keys["k"] = rep.KeyReport("k", "Python", "int", decision.OPAQUE, "", "")
     function.keys["held"] = rep.KeyReport("held", "Python", "list", decision.OPAQUE, "", "")

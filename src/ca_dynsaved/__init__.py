@@ -72,7 +72,7 @@ from .outputs import UndefinedGradError  # noqa: E402
 from .scalars import SavedTypeChangedError  # noqa: E402
 from .report import report, reset_report  # noqa: E402
 
-__version__ = "0.1.0"
+__version__ = "0.5.0"
 __all__ = [
     "enable",
     "report",

@@ -1,6 +1,7 @@
 """ca-dynsaved demo [--backend B] [--steps N]
 ca-dynsaved run [--backend B] [--compare] script.py [args]
 ca-dynsaved selfcheck    (the check an untested torch must pass)
+ca-dynsaved counters     (what each of the plugin's counters counts)
 
 (``python -m ca_dynsaved`` is the same command.)"""
 
@@ -26,6 +27,10 @@ def main(argv: list[str]) -> int:
         from .selfcheck import main as selfcheck_main
 
         return selfcheck_main(rest)
+    if command == "counters":
+        from .counting import main as counters_main
+
+        return counters_main(rest)
     print(f"unknown command {command!r}; see `ca-dynsaved --help`", file=sys.stderr)
     return 2
 

@@ -32,11 +32,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .counting import count
 from ._compat.capture import (
     ca,
     ca_cache_is_empty,
     clear_ca_cache,
-    counters,
     stock_enable,
     swap_enable,
     swap_instance_class,
@@ -139,7 +139,7 @@ def _own_cache(mode: Mode) -> None:
     """Clear the CA cache if it holds graphs captured in another mode."""
     if _cache_mode[0] not in (None, mode) and not ca_cache_is_empty():
         clear_ca_cache()
-        counters["ca_dynsaved"]["cache_clears"] += 1
+        count("cache_clears")
     _cache_mode[0] = mode
 
 

@@ -42,7 +42,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ._compat.capture import counters, no_proxy_modes
+from .counting import count
+from ._compat.capture import no_proxy_modes
 from ._compat.dynamo import exception_line
 from ._compat.layout import CppCall, pytree
 from ._compat.symbolic import TorchDispatchMode, concrete, size_hints
@@ -79,7 +80,7 @@ def verdict(fn: Any, call: CppCall, lifted: Mapping[Any, Any]) -> Verdict:
     key = (call.name, call.keys, kinds)
     found = _CACHE.get(key)
     if found is None:
-        counters["ca_dynsaved"]["cpp_probes"] += 1
+        count("cpp_probes")
         found = _CACHE[key] = _decide(fn, call, lifted)
     return found
 

@@ -49,7 +49,7 @@ from .opaque import FLOAT
 from .probe import is_number
 
 # Short names of the vocabulary (``names.py``) the decisions speak.
-TRACED, OPAQUE, STOCK, DYNAMIC, REUSED = Handling.TRACED, Handling.OPAQUE, Handling.STOCK, Handling.DYNAMIC, Handling.REUSED
+TRACED, OPAQUE, STOCK, REUSED = Handling.TRACED, Handling.OPAQUE, Handling.STOCK, Handling.REUSED
 EXCLUDED, HASHED_ONLY, HASHED_ONLY_LATER = Reason.EXCLUDED, Reason.HASHED_ONLY, Reason.HASHED_ONLY_LATER
 _LATER_COMBINATION, UNPACKED_AT_RUN_TIME = Reason.LATER_COMBINATION, Reason.UNPACKED_AT_RUN_TIME
 

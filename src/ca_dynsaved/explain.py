@@ -21,13 +21,13 @@ from .records import CaptureRecord, FunctionReport, UncapturedRecord
 #: either), where the words need nothing of the key or node; ``reason_and_fix``
 #: words the others.
 _WORDS: dict[tuple[str, str | None], tuple[str, str]] = {
-    (Handling.DYNAMIC, "C++"): (
+    (Handling.TRACED, "C++"): (
         "traced with the backward: an int is a symbolic graph input from the first "
         "compile (or, cast to double, read from the packed int64 tensor), a double "
         "is read from the packed float64 tensor",
         "",
     ),
-    (Handling.DYNAMIC, "Python"): (
+    (Handling.TRACED, "Python"): (
         "traced with the backward, a symbolic number from the first compile (the "
         "backward fuses with its neighbours)",
         "",

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ._compat.capture import counters
+from .counting import count
 from ._compat.dynamo import CUDAGRAPH_UNSAFE, without_dynamo
 from . import opaque
 from .caches import on_reset
@@ -48,7 +48,7 @@ def chains(gm: torch.fx.GraphModule) -> int:
         fused += len(run) - 1
     if fused:
         gm.recompile()
-        counters["ca_dynsaved"]["fused_opaque_nodes"] += fused
+        count("fused_opaque_nodes", fused)
     return fused
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from ._compat.capture import counters, custom_nodes, no_ca, uncollectable_reason
+from .counting import count
+from ._compat.capture import custom_nodes, no_ca, uncollectable_reason
 from ._compat.dynamo import without_dynamo
 from . import payoff
 
@@ -36,6 +37,6 @@ def gate(run_backward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
         nodes = custom_nodes(roots)
         payoff.uncollectable(roots, reason, nodes)
         log.info("ca_dynsaved: a backward runs without compiled autograd: %s (%s)", reason, ", ".join(nodes))
-        counters["ca_dynsaved"]["uncollectable_backwards"] += 1
+        count("uncollectable_backwards")
         with no_ca():
             return run_backward(*args, **kwargs)

@@ -24,7 +24,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 
-from ._compat.capture import counters, is_torch_own_function
+from .counting import count
+from ._compat.capture import is_torch_own_function
 from ._compat.dynamo import trace_backward_alone
 from ._compat.layout import incoming_grads
 from ._compat.symbolic import outside_capture
@@ -52,7 +53,7 @@ def break_reason(ctx: Any, saved: Sequence[Any]) -> str | None:
         return None
     key = probe.ctx_layout(ctx)
     if key not in _CACHE:
-        counters["ca_dynsaved"]["dynamo_probes"] += 1
+        count("dynamo_probes")
         _CACHE[key] = _trace(ctx, saved)
     return _CACHE[key]
 

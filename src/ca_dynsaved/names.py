@@ -25,14 +25,15 @@ class _Name(str, enum.Enum):
 
 class Handling(_Name):
     """How the plugin handled a node (``TRACED``, ``OPAQUE``, ``STOCK``) or one of its
-    saved keys (also ``DYNAMIC``: a number traced dynamic; ``REUSED``: a hashed value
-    whose captures share compiled code). OPAQUE and STOCK are spelled as the policies
-    of the same names, which are the user's choice, not a handling."""
+    saved keys, in the same words: a key is its node's handling, except that a hashed
+    value of a traced node is ``STOCK`` (a constant of the graph, as stock has it) and
+    one of an opaque C++ node ``REUSED`` (its captures share compiled code). OPAQUE
+    and STOCK are spelled as the policies of the same names, which are the user's
+    choice, not a handling."""
 
     TRACED = "traced-dynamic"
     OPAQUE = "opaque"
     STOCK = "stock"
-    DYNAMIC = "dynamic"
     REUSED = "reused"
 
 

@@ -283,18 +283,18 @@ def run_python(grads, saved, symints, key, slot, hook):  # type: ignore[no-untyp
 # replay the first step's values forever. With the tag, inductor's graph partitioning
 # runs each op between CUDA-graphed partitions (and without partitioning, skips CUDA
 # graphs for the graph) - see CUDAGRAPH_UNSAFE.
-LIB = _lib = torch.library.Library("ca_dynsaved", "DEF")  # fuse.py defines its op here too
-_lib.define(
+LIB = torch.library.Library("ca_dynsaved", "DEF")  # fuse.py defines its op here too
+LIB.define(
     "cpp_function(Tensor?[] grads, Tensor?[] tensors, SymInt[] symints, str key, int slot) -> Tensor?[]",
     tags=(CUDAGRAPH_UNSAFE,),
 )
-_lib.define(
+LIB.define(
     "py_function(Tensor?[] grads, Tensor?[] saved, SymInt[] symints, str key, int slot, "
     "int hook) -> Tensor?[]",
     tags=(CUDAGRAPH_UNSAFE,),
 )
-_lib.impl("cpp_function", run_cpp, "CompositeExplicitAutograd")
-_lib.impl("py_function", run_python, "CompositeExplicitAutograd")
+LIB.impl("cpp_function", run_cpp, "CompositeExplicitAutograd")
+LIB.impl("py_function", run_python, "CompositeExplicitAutograd")
 
 
 
@@ -317,12 +317,12 @@ def fake_outputs(key: str, tensors, symints) -> list[torch.Tensor | None]:  # ty
     return outs
 
 
-@torch.library.register_fake("ca_dynsaved::cpp_function", lib=_lib)
+@torch.library.register_fake("ca_dynsaved::cpp_function", lib=LIB)
 def _(grads, tensors, symints, key, slot):  # type: ignore[no-untyped-def]
     return fake_outputs(key, tensors, symints)
 
 
-@torch.library.register_fake("ca_dynsaved::py_function", lib=_lib)
+@torch.library.register_fake("ca_dynsaved::py_function", lib=LIB)
 def _(grads, saved, symints, key, slot, hook):  # type: ignore[no-untyped-def]
     return fake_outputs(key, saved, symints)
 

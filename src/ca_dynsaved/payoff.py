@@ -39,7 +39,8 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from ._compat.capture import capture_count, counters, no_ca, node_name
+from .counting import count
+from ._compat.capture import capture_count, no_ca, node_name
 from .caches import on_reset
 from . import report
 from .records import UncapturedRecord
@@ -142,7 +143,7 @@ def run(run_backward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
         if structure.since_try < structure.retry:
             assert structure.record is not None
             structure.record.backwards += 1
-            counters["ca_dynsaved"]["uncaptured_backwards"] += 1
+            count("uncaptured_backwards")
             with no_ca():
                 return run_backward(*args, **kwargs)
         structure.since_try = 0

@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ._compat.capture import counters
+from .counting import count
 from ._compat.config import dynamo_specializes_floats, torch_warnings_to
 from ._compat.dynamo import exception_line
 from ._compat.layout import GradSpec, grads_of, incoming_grads, pytree
@@ -113,7 +113,7 @@ def verdict(
     key = (*ctx_layout(ctx), hashed_values(ctx), tensor_inputs, dynamo_specializes_floats())
     found = _CACHE.get(key)
     if found is None:
-        counters["ca_dynsaved"]["probes"] += 1
+        count("probes")
         found = _CACHE[key] = _decide(ctx, vars(ctx), saved, tensor_inputs, grads or grads_of(ctx))
     return found
 

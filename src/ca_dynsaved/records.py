@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .decision import DYNAMIC, STOCK, Decision
+from .decision import STOCK, TRACED, Decision
 
 #: Distinct values kept per key; more are counted (up to MAX_COUNTED), not kept.
 MAX_VALUES = 8
@@ -31,7 +31,7 @@ class KeyReport:
     key: str
     kind: str  # of its function: "C++" or "Python"
     type: str
-    handling: str  # DYNAMIC, OPAQUE, REUSED or STOCK
+    handling: str  # TRACED, OPAQUE, REUSED or STOCK (names.Handling)
     reason: str
     fix: str
     values: list[Any] = field(default_factory=list)  # distinct values seen, first MAX_VALUES
@@ -49,7 +49,7 @@ class KeyReport:
         recompile its guard caused; 0 for a value the plugin keeps out of guards."""
         guarded = self.handling == STOCK and (self.kind == "Python" or self.type in ("int", "float"))
         # A traced Python number the probe let through and Dynamo guarded after all.
-        missed = self.handling == DYNAMIC and self.kind == "Python" and self.recompiles > 0
+        missed = self.handling == TRACED and self.kind == "Python" and self.recompiles > 0
         return 1 + self.recompiles if guarded or missed else 0
 
     def see_all(self, values: Sequence[Any]) -> None:

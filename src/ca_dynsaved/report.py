@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .caches import on_reset
-from .decision import DYNAMIC, HASHED_ONLY, OPAQUE, REUSED, STOCK, TRACED, Decision
+from .decision import HASHED_ONLY, OPAQUE, REUSED, STOCK, TRACED, Decision
 from .explain import attribute_recompiles, format_table, reason_and_fix
 from .probe import is_number
 from .records import (
@@ -37,7 +37,8 @@ class Report:
             ("C++" or "Python"), ``.handling`` ("traced-dynamic", "opaque" or
             "stock"), ``.opaque``, ``.reason`` and ``.keys``: saved key / ctx
             attribute -> ``KeyReport`` (``.key``, ``.kind``, ``.type``, ``.handling``:
-            "dynamic", "opaque", "reused" or "stock", ``.reason``, ``.fix``,
+            its node's, or "stock" for a hashed value of a traced node, "reused"
+            for one of an opaque C++ node; ``.reason``, ``.fix``,
             ``.values``: the first 8 distinct values, ``.more_values``: the count of
             the others, ``.recompiles`` / ``.guard``: Dynamo recompiles its guard
             caused, the newest guard, ``.compiles``).
@@ -199,7 +200,7 @@ def _key_handling(decision: Decision, value: Any, lifted: int | None) -> str:
         return STOCK
     if decision.handling == TRACED:  # a number dynamic; a hashed value as stock has it
         number = lifted is not None if decision.kind == "C++" else is_number(value)
-        return DYNAMIC if number else STOCK
+        return TRACED if number else STOCK
     if decision.kind == "C++" and lifted is None:  # opaque: the captures share code
         return REUSED
     return OPAQUE
@@ -240,7 +241,7 @@ def uncaptured(captures: int, why: str = "", nodes: tuple[str, ...] = ()) -> Unc
         function = _REPORT.functions.get(node.name)
         for key, kind in zip(node.keys, node.kinds):
             entry = function.keys.get(key) if function is not None else None
-            if entry is not None and entry.handling != DYNAMIC and kind not in ("int", "float"):
+            if entry is not None and entry.handling != TRACED and kind not in ("int", "float"):
                 distinct = len(entry.values) + entry.more_values
                 if distinct > 1:
                     changed[f"{node.name}.{key}"] = distinct

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._compat.capture import counters
+from .counting import count
 from ._compat.config import is_dynamo_config_compiler
 from .caches import on_reset
 from . import opaque
@@ -99,7 +99,7 @@ def name_learned_outputs(gm: torch.fx.GraphModule, nodes: list[NodeCapture]) -> 
             if user.target is operator.getitem and through and through[user.args[1]] >= 0:
                 user.replace_all_uses_with(node.args[0][through[user.args[1]]])
                 gm.graph.erase_node(user)
-                counters["ca_dynsaved"]["passthrough_outputs"] += 1
+                count("passthrough_outputs")
     gm.recompile()
 
 
@@ -112,13 +112,13 @@ def compiled_for(
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)
-        counters["ca_dynsaved"]["reuse_hits"] += 1
+        count("reuse_hits")
         return hit, "reused"
-    counters["ca_dynsaved"]["reuse_misses"] += 1
+    count("reuse_misses")
     _CACHE[key] = compiled_fn
     if len(_CACHE) > MAX_ENTRIES:
         _CACHE.popitem(last=False)
-        counters["ca_dynsaved"]["reuse_evictions"] += 1
+        count("reuse_evictions")
     return compiled_fn, "compiled"
 
 

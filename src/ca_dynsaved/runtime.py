@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ._compat.capture import counters
+from .counting import count
 from ._compat.dynamic_state import mark_dynamic_scalars
 from ._compat.dynamo import without_dynamo
 from ._compat.engine import collecting_final_callbacks
@@ -145,7 +145,7 @@ def make_runtime_wrapper(
         if compiled or not checks:
             return compiled_fn
         compiled.append(compiled_fn)
-        counters["ca_dynsaved"]["first_eager_runs"] += 1
+        count("first_eager_runs")
         return graph_module
 
     def _opaque_fn(compiled_fn: Callable[..., Any], eager: bool, learned: bool) -> Callable[..., Any]:
@@ -160,12 +160,12 @@ def make_runtime_wrapper(
             compiled.append(fn)
             log.info("capture !%d: first run done; %s code", record.ca_id, record.compiled)
         if torch.is_grad_enabled() and learning:  # its opaque ops called directly
-            counters["ca_dynsaved"]["create_graph_eager_runs"] += 1
+            count("create_graph_eager_runs")
             return Differentiable(graph_module).run_to_list
         if compiled and not eager:
             return compiled[0]
         if not eager:
-            counters["ca_dynsaved"]["held_eager_runs" if hold and hold.on else "first_eager_runs"] += 1
+            count("held_eager_runs" if hold and hold.on else "first_eager_runs")
         return graph_module
 
     @without_dynamo
@@ -181,11 +181,11 @@ def make_runtime_wrapper(
         if eager and combinations.shared:  # type: ignore[union-attr]
             # this graph is a tiered capture's traced one: its opaque graph takes it
             assert refused is not None
-            counters["ca_dynsaved"]["guarded_opaque_runs"] += 1
+            count("guarded_opaque_runs")
             return refused(inputs, sizes, scalars, hooks, packed_inputs)
         record.observe(scalars, hooks)
         if eager:
-            counters["ca_dynsaved"]["guarded_eager_runs"] += 1
+            count("guarded_eager_runs")
         ints: Sequence[int] = ()
         floats: Sequence[float] = ()
         if packer is not None:
@@ -224,7 +224,7 @@ def _refusals(
     the report)."""
     reasons = {i: reason for i, (reason, _) in enumerate(verdicts) if reason}
     if reasons:
-        counters["ca_dynsaved"]["verify_fallbacks"] += 1
+        count("verify_fallbacks")
         for i, reason in reasons.items():
             record.refuse(checks[i].name, checks[i].named([scalars[j] for j in checks[i].indices]), reason)
     return reasons

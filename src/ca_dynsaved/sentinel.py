@@ -43,7 +43,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ._compat.capture import counters
+from .counting import count
 from ._compat.dynamo import exception_line
 from .caches import on_reset
 from . import opaque
@@ -137,7 +137,7 @@ def plan(name: str, inputs: Inputs, kinds: dict[str, str], warn: bool = False) -
     key = (name, inputs.keys, tuple(kinds.values()), repr((inputs.saved, inputs.grads, inputs.constants)))
     found = _CACHE.get(key)
     if found is None:
-        counters["ca_dynsaved"]["sentinel_plans"] += 1
+        count("sentinel_plans")
         found = _CACHE[key] = _plan(inputs, kinds)
     if warn and not found.traced:
         refused(name, found.reason)

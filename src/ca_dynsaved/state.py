@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ._compat.capture import counters
+from .counting import count
 from ._compat.layout import CppCall
 from . import binding, report
 from .graphs import head_end
@@ -116,11 +116,15 @@ class Capture:
         fallback = self.pending.fallback if isinstance(self.pending, Traced) else None
         self.pending = Traced(fallback, deferred)
 
-    def traced_region(self, trace: Callable[[], Any]) -> Any:
-        """``trace()``, keeping what it adds to the graph as ``last_region``."""
+    def recorded(self, trace: Callable[[], Any]) -> tuple[Any, list[torch.fx.Node]]:
+        """``trace()``'s result and the nodes it added to the graph (its region)."""
         before = len(self.graph.nodes)
         out = trace()
-        self.last_region = list(self.graph.nodes)[before:]
+        return out, list(self.graph.nodes)[before:]
+
+    def traced_region(self, trace: Callable[[], Any]) -> Any:
+        """``trace()``, keeping what it adds to the graph as ``last_region``."""
+        out, self.last_region = self.recorded(trace)
         return out
 
     def record_node(self, decision: Decision, hook: int = -1) -> None:
@@ -129,23 +133,22 @@ class Capture:
         for key, _, _, lifted in decision.saved if decision.kind == "C++" else ():
             if lifted is not None:
                 self.owners[lifted] = f"{decision.name}'s saved '{key}'"
-        ours = counters["ca_dynsaved"]
         if decision.handling == STOCK:
-            ours["stock_nodes"] += 1
+            count("stock_nodes")
             return
         if decision.kind == "C++":
             for _, type_, _, lifted in decision.saved:
                 what = "hashed_values" if lifted is None else "lifted_ints" if type_ == INT else "lifted_floats"
-                ours[what] += 1
+                count(what)
         if decision.handling == OPAQUE:
-            ours["opaque_nodes"] += 1
+            count("opaque_nodes")
         elif decision.kind == "Python":
-            ours["traced_python_nodes"] += 1
+            count("traced_python_nodes")
         else:
-            ours["traced_cpp_nodes"] += 1
+            count("traced_cpp_nodes")
             if isinstance(decision.plan, SentinelTrace):
-                ours["sentinel_cpp_nodes"] += 1
-                ours["optin_cpp_nodes"] += decision.plan.optin
+                count("sentinel_cpp_nodes")
+                count("optin_cpp_nodes", decision.plan.optin)
 
     def packed_proxies(self) -> tuple[Any, Any]:
         """The packed int64 and float64 tensors' nodes, read at the top of the graph:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._compat.capture import counters
+from ..counting import count
 from .. import checkpoint
 from ..graphs import Differentiable, after_inputs, head_end
 from ..records import CaptureRecord
@@ -69,5 +69,5 @@ def stock_twin(
         log.info("capture !%d: checkpoint unpacks run as stock: %s", record.ca_id, why)
         record.unpack_fallback = why
         unpacks.fallback = compiler_fn(unpacks.stock_twin)
-    counters["ca_dynsaved"]["unpack_stock_runs"] += 1
+    count("unpack_stock_runs")
     return Differentiable(unpacks.stock_twin).run_to_list if torch.is_grad_enabled() else unpacks.fallback

@@ -41,11 +41,11 @@ def trace(
     region, verify's check or None, why the trace and its template do not line
     up, or '')."""
     numbers = sentinel.values(plan.plan.kinds, 0)
-    graph = cap.graph
-    ops = NodesOfOps(graph) if plan.plan.derived else None
-    before = len(graph.nodes)
-    outs, out_nodes = cpptrace.trace(cap.instance, fn, grads, call, values=plan.inputs.values(numbers), around=ops)
-    region = list(graph.nodes)[before:]  # before the rewrite adds reads at the head
+    ops = NodesOfOps(cap.graph) if plan.plan.derived else None
+    # the region, recorded before the rewrite adds reads at the head
+    (outs, out_nodes), region = cap.recorded(
+        lambda: cpptrace.trace(cap.instance, fn, grads, call, values=plan.inputs.values(numbers), around=ops)
+    )
     symbols = dict(zip(call.keys, call.values))
     rewrite(
         region,

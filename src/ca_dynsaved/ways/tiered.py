@@ -23,7 +23,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .._compat.capture import counters, graphs_compiled
+from ..counting import count
+from .._compat.capture import graphs_compiled
 from .._compat.dynamo import without_dynamo
 from .. import opaque, tiers
 from ..decision import HASHED_ONLY, TRACED, Decision
@@ -269,7 +270,7 @@ def wrap(
                 return first(compiled_fn, inputs, sizes, scalars, hooks, packed_inputs)
             choose(compiled_fn)
             record.specialised = runs
-            counters["ca_dynsaved"]["specialised_captures"] += 1
+            count("specialised_captures")
             log.info("capture !%d: run %d: its own graph, tiered nodes traced (%s)",
                      record.ca_id, runs, ", ".join(name for name, _ in functions))
             return run_chosen(inputs, sizes, scalars, hooks, packed_inputs)

@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from .._compat.capture import counters, no_proxy_modes
+from ..counting import count
+from .._compat.capture import no_proxy_modes
 from .._compat.layout import CppCall
 from .._compat.symbolic import size_hints
 from .. import cpptrace, differential, recording, sentinel
@@ -43,9 +44,8 @@ def trace_cpp(
     if isinstance(plan, SentinelTrace):
         outs, out_nodes, region, check, refusal = sentinel_traced.trace(cap, fn, grads, call, plan)
     else:
-        before = len(graph.nodes)
-        outs, out_nodes = cpptrace.trace(cap.instance, fn, grads, call)
-        region, check, refusal = list(graph.nodes)[before:], None, ""
+        (outs, out_nodes), region = cap.recorded(lambda: cpptrace.trace(cap.instance, fn, grads, call))
+        check, refusal = None, ""
     refusal = refusal or _differential(cap, fn, call, plan, check, undefined, region, out_nodes, grads)
     if refusal:
         for node in reversed(region):
@@ -98,9 +98,9 @@ def _differential(
         inputs, values, region, out_nodes, [cap.node_of(g) for g in grads], [cap.node_of(t) for t in call.saved],
         (cap.instance.scalars_proxy.node, scalar_values), capture_sizes,
     )
-    counters["ca_dynsaved"]["differential_checks"] += 1
+    count("differential_checks")
     if refusal:
-        counters["ca_dynsaved"]["differential_refusals"] += 1
+        count("differential_refusals")
         log.info("capture !%d: %s runs opaque: %s", cap.id, call.name, refusal)
     return refusal and f"its traced graph and its own backward differ at the capture's values: {refusal}"
 

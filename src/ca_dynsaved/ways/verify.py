@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .._compat.capture import counters
+from ..counting import count
 from .._compat.dynamo import exception_line
 from .. import recording, sentinel
 from ..recording import Inputs, Recording, describe
@@ -63,7 +63,7 @@ class Check:
         if found is not None:
             checked.move_to_end(key)  # the newest again: values that keep coming back stay
         else:
-            counters["ca_dynsaved"]["verify_traces"] += 1
+            count("verify_traces")
             found = checked[key] = check(self.plan, self.inputs, dict(zip(self.keys, values)))
             if len(checked) > CHECKED_LIMIT:  # values new every step: keep the newest
                 checked.popitem(last=False)
